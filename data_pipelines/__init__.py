@@ -1,0 +1,1 @@
+"""data_pipelines: filled in by later issues."""

@@ -1,0 +1,1 @@
+"""eval: filled in by later issues."""

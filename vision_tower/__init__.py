@@ -1,0 +1,1 @@
+"""vision_tower: filled in by later issues."""

@@ -1,0 +1,164 @@
+"""The chunk module (SPEC §1-§3): boundary probabilities, boundary noise, ratio loss, merging into concepts.
+
+Causality: p_n depends on ĥ_{n-1} and ĥ_n only; concept m merges the window (φ(m-1), φ(m)] that ends
+at its boundary token, so it depends on tokens <= φ(m). The first real token of every document is a
+forced boundary (p = 1), and a sum window never crosses a document start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlm.layers import SeqLayout, attention_mask, positions_in_document
+
+
+@dataclass
+class ChunkOutput:
+    p_BN: torch.Tensor  # float: raw boundary probability (1 at document starts, 0 on padding)
+    b_BN: torch.Tensor  # bool: boundaries actually used (sampled with noise in training)
+    b_hard_BN: torch.Tensor  # bool: p >= threshold (what eval would use), for the flip rate
+
+
+@dataclass
+class Concepts:
+    c_BMD: torch.Tensor  # merged concepts, padded to the longest row's M
+    boundary_BM: torch.Tensor  # long: token index φ(m) of each concept's boundary (0 on padding slots)
+    p_BM: torch.Tensor  # float: p at each boundary (1 on padding slots), the EMA weights
+    layout: SeqLayout  # concept-level documents / positions / mask
+
+
+# ----------------------------------------------------------------------------- Eq. 2-6
+def cosine_boundary_probs(q_BND: torch.Tensor, k_BND: torch.Tensor) -> torch.Tensor:
+    """Eq. 2: p_n = ½(1 − cos(q_n, k_{n−1})), n >= 2. Returns [B, N-1] for positions 1..N-1."""
+    cos_BN = (F.normalize(q_BND[:, 1:].float(), dim=-1) * F.normalize(k_BND[:, :-1].float(), dim=-1)).sum(-1)
+    return ((1.0 - cos_BN) / 2.0).clamp(0.0, 1.0)
+
+
+def sharpen_boundary_probs(p: torch.Tensor, tau: float) -> torch.Tensor:
+    """Eq. 5: p^{1/τ} if p >= 0.5, else 1 − (1 − p)^{1/τ} (pushes p toward 0.5, i.e. more flips)."""
+    inv_tau = 1.0 / tau
+    return torch.where(p >= 0.5, p.clamp_min(0).pow(inv_tau), 1.0 - (1.0 - p).clamp_min(0).pow(inv_tau))
+
+
+def sample_boundaries(p: torch.Tensor, tau: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Eq. 6: b ~ Bernoulli(sharpen(p)) — the training-time "random flip boundary" noise."""
+    return torch.bernoulli(sharpen_boundary_probs(p.detach(), tau), generator=generator).bool()
+
+
+def ratio_loss(p_BN: torch.Tensor, b_BN: torch.Tensor, valid_BN: torch.Tensor, target_r: float) -> torch.Tensor:
+    """Eq. 3-4: L = R/(R−1) · ((R−1)·F·G + (1−F)·(1−G)),  G = mean p,  F = mean b.
+
+    Statistics over all real tokens of the local batch (not per sample), so hard samples may keep
+    more concepts than easy ones. F is not differentiable; the gradient flows through G.
+    """
+    n = valid_BN.sum().clamp_min(1)
+    g = (p_BN * valid_BN).sum() / n
+    f = (b_BN & valid_BN).sum().to(p_BN.dtype) / n
+    r = target_r
+    return r / (r - 1.0) * ((r - 1.0) * f * g + (1.0 - f) * (1.0 - g))
+
+
+def fixed_boundaries(layout: SeqLayout, target_r: float) -> torch.Tensor:
+    """Fixed chunking (Fig. 8 ablation): a boundary whenever floor(pos / R) changes inside a document."""
+    pos = layout.pos_BN.double()
+    b_BN = torch.floor(pos / target_r) != torch.floor((pos - 1.0) / target_r)
+    return (b_BN | layout.start_BN) & layout.valid_BN
+
+
+class ChunkModule(nn.Module):
+    """Boundary router: ``cosine`` (Eq. 2, learned q/k projections) or ``linear`` (Fig. 9 ablation).
+
+    The linear router [I] scores p_n = σ(w·[ĥ_{n−1}; ĥ_n] + b): a learned function of the same two
+    states the cosine router compares, without the cosine's scale invariance.
+    """
+
+    def __init__(self, d_model: int, router: str, threshold: float = 0.5):
+        super().__init__()
+        self.router_kind, self.threshold = router, threshold
+        if router == "cosine":
+            self.q_proj = nn.Linear(d_model, d_model, bias=False)
+            self.k_proj = nn.Linear(d_model, d_model, bias=False)
+            self.q_proj.init_role = self.k_proj.init_role = "boundary_qk"
+        else:
+            self.proj = nn.Linear(2 * d_model, 1)
+
+    def boundary_probs(self, h_BND: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
+        if self.router_kind == "cosine":
+            p_rest = cosine_boundary_probs(self.q_proj(h_BND), self.k_proj(h_BND))
+        else:
+            pair_BND2 = torch.cat([h_BND[:, :-1], h_BND[:, 1:]], dim=-1)
+            p_rest = torch.sigmoid(self.proj(pair_BND2).squeeze(-1).float())
+        p_BN = F.pad(p_rest, (1, 0), value=1.0)
+        p_BN = torch.where(layout.start_BN, torch.ones_like(p_BN), p_BN)
+        return p_BN * layout.valid_BN
+
+    def forward(self, h_BND: torch.Tensor, layout: SeqLayout, tau: float) -> ChunkOutput:
+        p_BN = self.boundary_probs(h_BND, layout)
+        b_hard_BN = (p_BN >= self.threshold) & layout.valid_BN
+        if self.training and tau > 0:
+            b_BN = (sample_boundaries(p_BN, tau) | layout.start_BN) & layout.valid_BN
+        else:
+            b_BN = b_hard_BN
+        return ChunkOutput(p_BN=p_BN, b_BN=b_BN, b_hard_BN=b_hard_BN)
+
+
+# ----------------------------------------------------------------------------- merging (SPEC §1)
+def boundary_positions(b_BN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token index of every boundary, left-aligned and padded: (boundary_BM, valid_BM)."""
+    n_concepts_B = b_BN.sum(dim=1)
+    m = max(int(n_concepts_B.max()), 1)
+    order_BN = torch.argsort((~b_BN).to(torch.int8), dim=1, stable=True)
+    boundary_BM = order_BN[:, :m]
+    valid_BM = torch.arange(m, device=b_BN.device)[None] < n_concepts_B[:, None]
+    return torch.where(valid_BM, boundary_BM, torch.zeros_like(boundary_BM)), valid_BM
+
+
+def merge_tokens(h_BND: torch.Tensor, b_BN: torch.Tensor, boundary_BM: torch.Tensor, valid_BM: torch.Tensor,
+                 layout: SeqLayout, mode: str) -> torch.Tensor:  # fmt: skip
+    """Concepts from token states: ``last`` keeps ĥ_{φ(m)}; ``sum`` adds ĥ over (φ(m−1), φ(m)].
+
+    Sum windows are clipped at document starts (SPEC §13) and exclude padding; a token after the
+    last boundary of a row belongs to no concept yet. Summation is a scatter-add (exact per window,
+    unlike differences of a running cumsum).
+    """
+    b, n, d = h_BND.shape
+    idx_BMD = boundary_BM[..., None].expand(-1, -1, d)
+    if mode == "last":
+        return torch.gather(h_BND, 1, idx_BMD) * valid_BM[..., None]
+    m = boundary_BM.shape[1]
+    target_BN = torch.cumsum(b_BN.long(), dim=1) - b_BN.long()  # index of the concept that absorbs token n
+    has_target_BN = target_BN < valid_BM.sum(dim=1, keepdim=True)
+    target_BN = target_BN.clamp(max=m - 1)
+    target_doc_BN = torch.gather(torch.gather(layout.doc_BN, 1, boundary_BM), 1, target_BN)
+    keep_BN = has_target_BN & layout.valid_BN & (target_doc_BN == layout.doc_BN)
+    src_BND = h_BND * keep_BN[..., None].to(h_BND.dtype)
+    return torch.zeros(b, m, d, dtype=h_BND.dtype, device=h_BND.device).scatter_add(
+        1, target_BN[..., None].expand(-1, -1, d), src_BND
+    )
+
+
+def concept_layout(layout: SeqLayout, boundary_BM: torch.Tensor, valid_BM: torch.Tensor) -> SeqLayout:
+    """Documents at concept level: a concept keeps its boundary token's document; positions restart."""
+    doc_BM = torch.gather(layout.doc_BN, 1, boundary_BM)
+    doc_BM = torch.where(valid_BM, doc_BM, torch.full_like(doc_BM, -2))
+    start_BM = torch.gather(layout.start_BN, 1, boundary_BM) & valid_BM
+    plain = layout.mask_B1NN is None and bool(valid_BM.all())
+    return SeqLayout(
+        doc_BN=doc_BM,
+        pos_BN=positions_in_document(doc_BM),
+        valid_BN=valid_BM,
+        start_BN=start_BM,
+        mask_B1NN=None if plain else attention_mask(doc_BM),
+    )
+
+
+def chunk_to_concepts(h_BND: torch.Tensor, chunk: ChunkOutput, layout: SeqLayout, mode: str) -> Concepts:
+    boundary_BM, valid_BM = boundary_positions(chunk.b_BN)
+    c_BMD = merge_tokens(h_BND, chunk.b_BN, boundary_BM, valid_BM, layout, mode)
+    p_BM = torch.where(valid_BM, torch.gather(chunk.p_BN, 1, boundary_BM), torch.ones_like(boundary_BM).float())
+    return Concepts(c_BMD=c_BMD, boundary_BM=boundary_BM, p_BM=p_BM, layout=concept_layout(layout, boundary_BM,
+                                                                                          valid_BM))  # fmt: skip

@@ -1,0 +1,184 @@
+"""Transformer building blocks: RMSNorm, RoPE, grouped-query attention (with joint QKV, Eq. 11), SwiGLU.
+
+Masks are boolean ``[B, 1, N, N]`` tensors (True = may attend) built by :func:`attention_mask`; ``None``
+means a plain causal mask over the whole row (the fast path of ``scaled_dot_product_attention``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_f = x.float()
+        x_f = x_f * torch.rsqrt(x_f.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x_f.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- positions and masks
+@dataclass
+class SeqLayout:
+    """Where the documents of each row are, at one resolution (tokens, or concepts)."""
+
+    doc_BN: torch.Tensor  # long: document id of every position; padding has its own id (-1)
+    pos_BN: torch.Tensor  # long: position inside its document (RoPE restarts per document)
+    valid_BN: torch.Tensor  # bool: real (non-padding) positions
+    start_BN: torch.Tensor  # bool: first real position of each document
+    mask_B1NN: torch.Tensor | None  # bool attention mask, or None for plain causal
+
+
+def attention_mask(doc_BN: torch.Tensor) -> torch.Tensor:
+    """Causal and document-aware: position i attends to j <= i of the same document."""
+    n = doc_BN.shape[1]
+    causal_NN = torch.ones(n, n, dtype=torch.bool, device=doc_BN.device).tril()
+    same_doc_BNN = doc_BN[:, :, None] == doc_BN[:, None, :]
+    return (same_doc_BNN & causal_NN)[:, None]
+
+
+def positions_in_document(doc_BN: torch.Tensor) -> torch.Tensor:
+    """0, 1, 2, ... restarting wherever the document id changes along the row."""
+    n = doc_BN.shape[1]
+    idx_BN = torch.arange(n, device=doc_BN.device).expand_as(doc_BN)
+    new_doc_BN = torch.ones_like(doc_BN, dtype=torch.bool)
+    new_doc_BN[:, 1:] = doc_BN[:, 1:] != doc_BN[:, :-1]
+    first_BN = torch.where(new_doc_BN, idx_BN, torch.zeros_like(idx_BN)).cummax(dim=1).values
+    return idx_BN - first_BN
+
+
+def make_layout(
+    doc_BN: torch.Tensor | None,
+    valid_BN: torch.Tensor | None,
+    shape: tuple[int, int],
+    device: torch.device,
+    pos_BN: torch.Tensor | None = None,
+) -> SeqLayout:
+    """Build the layout of a row batch from optional document ids / padding mask / positions.
+
+    Padding positions get document id -1 so that they never attend to, or are attended by, real tokens.
+    """
+    b, n = shape
+    plain = doc_BN is None and (valid_BN is None or bool(valid_BN.all()))
+    if doc_BN is None:
+        doc_BN = torch.zeros(b, n, dtype=torch.long, device=device)
+    if valid_BN is None:
+        valid_BN = torch.ones(b, n, dtype=torch.bool, device=device)
+    valid_BN = valid_BN.bool()
+    doc_BN = torch.where(valid_BN, doc_BN.long(), torch.full_like(doc_BN, -1, dtype=torch.long))
+    prev_BN = torch.cat([torch.full_like(doc_BN[:, :1], -2), doc_BN[:, :-1]], dim=1)
+    start_BN = valid_BN & (doc_BN != prev_BN)
+    if pos_BN is None:
+        pos_BN = positions_in_document(doc_BN)
+    mask = None if plain else attention_mask(doc_BN)
+    return SeqLayout(doc_BN=doc_BN, pos_BN=pos_BN.long(), valid_BN=valid_BN, start_BN=start_BN, mask_B1NN=mask)
+
+
+def rope_cos_sin(pos_BN: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos, sin of shape [B, 1, N, head_dim] for rotate-half RoPE (the Llama / Qwen / OLMoE layout)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=pos_BN.device).float() / head_dim))
+    angles_BNF = pos_BN.float()[..., None] * inv_freq
+    emb_BNH = torch.cat([angles_BNF, angles_BNF], dim=-1)
+    return emb_BNH.cos()[:, None].to(dtype), emb_BNH.sin()[:, None].to(dtype)
+
+
+def apply_rope(x_BHNK: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x_BHNK.chunk(2, dim=-1)
+    return x_BHNK * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+# ----------------------------------------------------------------------------- attention
+class Attention(nn.Module):
+    """Grouped-query attention through ``scaled_dot_product_attention``.
+
+    With ``joint=True`` the layer also owns W_q^c, W_k^c, W_v^c and adds the concept's projections to
+    Q, K and V (joint decoding, ConceptMoE Eq. 11): Q = z W_q + c W_q^c, and likewise for K and V.
+    The concept terms join before RoPE, so they rotate with the token's position like the token terms.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        bias: bool = False,
+        qk_norm: str = "none",
+        eps: float = 1e-6,
+        joint: bool = False,
+    ):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=False)
+        self.qk_norm = qk_norm
+        if qk_norm == "head":
+            self.q_norm, self.k_norm = RMSNorm(head_dim, eps), RMSNorm(head_dim, eps)
+        elif qk_norm == "full":
+            self.q_norm, self.k_norm = RMSNorm(n_heads * head_dim, eps), RMSNorm(n_kv_heads * head_dim, eps)
+        self.joint = joint
+        if joint:
+            self.q_c = nn.Linear(d_model, n_heads * head_dim, bias=False)
+            self.k_c = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
+            self.v_c = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
+            self.q_c.init_role = self.k_c.init_role = self.v_c.init_role = "joint_qkv"
+
+    def joint_qkv(self, x_BND: torch.Tensor, concept_BND: torch.Tensor | None):
+        """Eq. 11: token projections plus, in joint layers, the concept's projections."""
+        q, k, v = self.q_proj(x_BND), self.k_proj(x_BND), self.v_proj(x_BND)
+        if self.joint and concept_BND is not None:
+            q = q + self.q_c(concept_BND)
+            k = k + self.k_c(concept_BND)
+            v = v + self.v_c(concept_BND)
+        return q, k, v
+
+    def forward(
+        self,
+        x_BND: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask_B1NN: torch.Tensor | None,
+        concept_BND: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        b, n, _ = x_BND.shape
+        q, k, v = self.joint_qkv(x_BND, concept_BND)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q_BHNK = q.view(b, n, self.n_heads, self.head_dim).transpose(1, 2)
+        k_BGNK = k.view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v_BGNK = v.view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.qk_norm == "head":
+            q_BHNK, k_BGNK = self.q_norm(q_BHNK), self.k_norm(k_BGNK)
+        q_BHNK, k_BGNK = apply_rope(q_BHNK, cos, sin), apply_rope(k_BGNK, cos, sin)
+        out_BHNK = F.scaled_dot_product_attention(
+            q_BHNK,
+            k_BGNK,
+            v_BGNK,
+            attn_mask=mask_B1NN,
+            is_causal=mask_B1NN is None,
+            enable_gqa=self.n_kv_heads != self.n_heads,
+        )
+        return self.o_proj(out_BHNK.transpose(1, 2).reshape(b, n, -1))
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)): the dense FFN, and the shared expert of an MoE layer."""
+
+    def __init__(self, d_model: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(d_model, hidden, bias=False)
+        self.up_proj = nn.Linear(d_model, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

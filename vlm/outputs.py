@@ -1,0 +1,63 @@
+"""Model outputs and the chunking statistics reported with every forward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.utils import ModelOutput
+
+from vlm.chunking import ChunkOutput
+from vlm.layers import SeqLayout
+
+
+@dataclass
+class BackboneOutput(ModelOutput):
+    last_hidden_state: torch.Tensor | None = None  # [B, N, D] after the final norm
+    aux: dict | None = None  # ratio_loss, balance_loss, z_loss (scalar tensors)
+    chunk_stats: dict | None = None
+    chunk: ChunkOutput | None = None  # p / b of the forward (None with chunking="none")
+
+
+@dataclass
+class ConceptMoECausalLMOutput(ModelOutput):
+    """``loss`` = lm + λ·ratio + β·balance + z-weight·z; each term is also in ``aux`` for logging."""
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    aux: dict | None = None
+    chunk_stats: dict | None = None
+
+
+@torch.no_grad()
+def chunk_statistics(chunk: ChunkOutput | None, layout: SeqLayout, modality_BN: torch.Tensor | None) -> dict:
+    """Counts behind R, overall and per modality id.
+
+    A concept belongs to the modality of its boundary token (the token that closes its merge window).
+    Per modality m: R_m = tokens_m / concepts_m, so sum_m concepts_m == concepts. Counts (not ratios)
+    are returned too so that training can aggregate them exactly over micro-batches and ranks.
+    ``flip_rate`` is the fraction of real tokens whose boundary decision the noise changed.
+    """
+    valid_BN = layout.valid_BN
+    b_BN = valid_BN if chunk is None else chunk.b_BN & valid_BN
+    if modality_BN is None:
+        modality_BN = torch.zeros_like(layout.doc_BN)
+    tokens = int(valid_BN.sum())
+    concepts = int(b_BN.sum())
+    stats = {
+        "tokens": tokens,
+        "concepts": concepts,
+        "r": tokens / max(concepts, 1),
+        "mean_p": 1.0 if chunk is None else float((chunk.p_BN * valid_BN).sum()) / max(tokens, 1),
+        "flip_rate": 0.0 if chunk is None else int(((chunk.b_BN != chunk.b_hard_BN) & valid_BN).sum()) / max(tokens, 1),
+        "tokens_by_modality": {},
+        "concepts_by_modality": {},
+        "r_by_modality": {},
+    }
+    for m in torch.unique(modality_BN[valid_BN]).tolist():
+        in_m = (modality_BN == m) & valid_BN
+        t_m, c_m = int(in_m.sum()), int((b_BN & in_m).sum())
+        stats["tokens_by_modality"][m] = t_m
+        stats["concepts_by_modality"][m] = c_m
+        stats["r_by_modality"][m] = t_m / max(c_m, 1)
+    return stats
