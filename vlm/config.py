@@ -190,6 +190,10 @@ class ConceptMoEConfig(PretrainedConfig):
         middle = list(range(start, start + m))
         return list(range(start)) + middle * self.concept_loop + list(range(start + m, n_layers))
 
+    def _get_generation_parameters(self) -> dict:
+        """``top_k`` here is the MoE's experts per token, not a sampling setting: never report it as one."""
+        return {k: v for k, v in super()._get_generation_parameters().items() if k != "top_k"}
+
     # ----------------------------------------------------------------- validation
     def validate_fields(self) -> None:
         """Raise ``ValueError`` naming the first invalid field and its allowed values."""

@@ -60,11 +60,16 @@ class _Fields:
     candidates; this keeps the search fast without re-implementing the derived values.
     """
 
-    for _name in ("chunked", "effective_r", "token_head_dim", "concept_width", "concept_head_dim"):
-        locals()[_name] = getattr(ConceptMoEConfig, _name)
-    for _name in ("concept_experts", "concept_k", "concept_ffn_dim", "dense_ffn_dim", "concept_schedule"):
-        locals()[_name] = getattr(ConceptMoEConfig, _name)
-    del _name
+    chunked = ConceptMoEConfig.chunked
+    effective_r = ConceptMoEConfig.effective_r
+    token_head_dim = ConceptMoEConfig.token_head_dim
+    concept_width = ConceptMoEConfig.concept_width
+    concept_head_dim = ConceptMoEConfig.concept_head_dim
+    concept_experts = ConceptMoEConfig.concept_experts
+    concept_k = ConceptMoEConfig.concept_k
+    concept_ffn_dim = ConceptMoEConfig.concept_ffn_dim
+    dense_ffn_dim = ConceptMoEConfig.dense_ffn_dim
+    concept_schedule = ConceptMoEConfig.concept_schedule
 
     def __init__(self, fields: dict):
         self.__dict__.update(fields)
@@ -157,10 +162,12 @@ def count(config: ConceptMoEConfig, seq_len: int = 4096, r: float | None = None)
     schedule = cfg.concept_schedule()
     q, kv = cfg.n_heads * cfg.token_head_dim, cfg.n_kv_heads * cfg.token_head_dim
 
-    # Chunk module (SPEC §1): cosine router q, k: d x d each; linear router: Linear(2d -> 1) with bias.
-    # Projectors d -> d_c -> d only when the concept model is wider (strategy 3, SPEC §6).
-    # Joint decoding (SPEC §5, Eq. 11): W_q^c, W_k^c, W_v^c in the last ``joint_layers`` decoder blocks.
-    chunk = (2 * d * d if cfg.router == "cosine" else 2 * d + 1) if cfg.chunked else 0
+    # Chunk module (SPEC §1, dynamic chunking only): cosine router q, k: d x d each; linear router:
+    # Linear(2d -> 1) with bias. Chunked models also have an RMSNorm(d_c) after the concept model, and the
+    # d -> d_c -> d projectors when the concept model is wider (strategy 3, SPEC §6). Joint decoding
+    # (SPEC §5, Eq. 11): W_q^c, W_k^c, W_v^c in the last ``joint_layers`` decoder blocks.
+    dynamic = cfg.chunking == "dynamic"
+    chunk = (2 * d * d if cfg.router == "cosine" else 2 * d + 1) if dynamic else 0
     proj = 2 * d * cfg.concept_width if cfg.chunked and cfg.concept_width != d else 0
     joint = cfg.joint_layers * d * (q + 2 * kv) if cfg.chunked else 0
     embed = V * d
@@ -172,6 +179,7 @@ def count(config: ConceptMoEConfig, seq_len: int = 4096, r: float | None = None)
         "final_norm": d,
         "token_layers": n_tok * tok.params(cfg),
         "concept_layers": cfg.concept_layers * con.params(cfg),
+        "concept_norm": cfg.concept_width if cfg.chunked else 0,
         "chunk": chunk,
         "projectors": proj,
         "joint": joint,
@@ -179,7 +187,7 @@ def count(config: ConceptMoEConfig, seq_len: int = 4096, r: float | None = None)
     total = sum(params.values())
     inactive = n_tok * tok.inactive_params(cfg) + cfg.concept_layers * con.inactive_params(cfg)
 
-    chunk_flops = (2 * chunk if cfg.router == "cosine" else 2 * 2 * d) if cfg.chunked else 0
+    chunk_flops = (2 * chunk if cfg.router == "cosine" else 2 * 2 * d) if dynamic else 0
     flops_linear = {
         "token_layers": n_tok * tok.linear_flops(cfg),
         "concept_layers": len(schedule) * con.linear_flops(cfg) / r,
@@ -228,13 +236,12 @@ def match_report(baseline: ConceptMoEConfig, candidate: ConceptMoEConfig, seq_le
     }
 
 
-_SEARCHED = ("concept_top_k", "concept_num_experts", "concept_loop", "concept_loop_layers")
-_SEARCHED_S3 = ("concept_d_model", "concept_expert_dim")
+_SEARCHED = ("concept_top_k", "concept_num_experts", "concept_d_model", "concept_expert_dim")
 
 
 def _structures(base: ConceptMoEConfig, r: float, strategy: int, fixed: dict):
-    """Candidate values of everything but ``concept_top_k`` (solved for afterwards), with a preference key
-    (smaller = closer to the paper's shape) used before the mismatch when several fit the tolerance."""
+    """Candidate values of everything but ``concept_top_k`` (solved for afterwards), with a hard and a soft
+    preference (smaller = closer to the paper's shape; the soft one only among mismatches <= 0.75 tol)."""
 
     def values(name: str, default: range | list) -> list:
         return [fixed[name]] if fixed.get(name) is not None else list(default)
@@ -242,14 +249,15 @@ def _structures(base: ConceptMoEConfig, r: float, strategy: int, fixed: dict):
     E, L_C = base.num_experts, base.concept_layers
     if strategy in (1, 2):
         # S1/S2 keep the concept layers' shape; removing a few concept experts absorbs the chunk / joint
-        # params. Both are CT-friendly (§6), so keeping every pretrained expert is preferred.
+        # params. Both are CT-friendly (§6), so keeping every pretrained expert is preferred. S2: fewest
+        # repetitions, looping about half the concept layers (the paper's 1.5L-top13-R2 latency run) [I].
         loops = values("concept_loop", range(2, 5)) if strategy == 2 else [1]
         layers = values("concept_loop_layers", range(1, L_C + 1)) if strategy == 2 else [0]
         for e in values("concept_num_experts", range(E, (E + 1) // 2 - 1, -1)):
             for n in loops:
                 for m in layers:
                     knobs = dict(concept_num_experts=e, concept_loop=n, concept_loop_layers=m)
-                    yield knobs, (E - e, n)
+                    yield knobs, (E - e, n), abs(2 * m - L_C) if n > 1 else 0
     elif strategy == 3:
         # S3: wider concept model (head dim a multiple of 8), fewer experts, slightly smaller F_c.
         # Preferred width: d_c = sqrt(R) d, the shape behind Table 1's R^1.5 (x4/3 at R=16/9 in the 12B
@@ -264,7 +272,7 @@ def _structures(base: ConceptMoEConfig, r: float, strategy: int, fixed: dict):
             for f in ffns:
                 for e in values("concept_num_experts", range(E - 1, 0, -1)):
                     knobs = dict(concept_d_model=w, concept_expert_dim=f, concept_num_experts=e)
-                    yield knobs, (rank,)
+                    yield knobs, (rank,), 0
     else:
         raise ValueError(f"strategy={strategy!r} is invalid: allowed values are 1, 2, 3 (SPEC §6)")
 
@@ -297,12 +305,12 @@ def match(
     if none is within ``tol`` the smallest mismatch wins and a warning is logged. Returns the config, or
     ``(config, match_report(...))`` with ``return_report=True``.
     """
-    reset = dict.fromkeys(_SEARCHED + _SEARCHED_S3)
-    reset.update(concept_loop=1, concept_loop_layers=0)
+    reset = {**dict.fromkeys(_SEARCHED), "concept_loop": 1, "concept_loop_layers": 0}
+    reset = {k: v for k, v in reset.items() if k not in overrides}
     kwargs = {k: getattr(baseline_config, k) for k in _FIELDS}
-    base = ConceptMoEConfig(**{**kwargs, **overrides, **reset, "chunking": "none", "target_r": 1.0})
+    base = ConceptMoEConfig(**{**kwargs, **reset, **overrides, "chunking": "none", "target_r": 1.0})
     kwargs = {k: getattr(base, k) for k in _FIELDS}  # validated and normalised (n_kv_heads, joint_layers)
-    kwargs.update(chunking="dynamic", target_r=float(target_r))
+    kwargs.update(chunking=overrides.get("chunking", "dynamic"), target_r=float(target_r))
     ref = count(baseline_config, seq_len)
     p_ref, f_ref = ref["params_total"], ref["flops_linear_per_token"]
 
@@ -313,18 +321,18 @@ def match(
         c = count(cfg, seq_len)
         return max(abs(c["params_total"] / p_ref - 1), abs(c["flops_linear_per_token"] / f_ref - 1))
 
-    best = None  # (outside tol, preference, mismatch, knobs, k)
-    for knobs, pref in _structures(base, float(target_r), strategy, overrides):
+    best = None  # (key, knobs, k); key = (outside tol, hard pref, outside 0.75 tol, soft pref, mismatch)
+    for knobs, hard, soft in _structures(base, float(target_r), strategy, overrides):
         e = knobs["concept_num_experts"]
         k_lo = base.top_k if strategy in (1, 2) else 1
         pinned_k = overrides.get("concept_top_k")
-        if best is not None and not best[0] and pref > best[1]:
+        if best is not None and not best[0][0] and hard > best[0][1]:
             continue  # a better-shaped candidate already fits
         if pinned_k is None and k_lo > e:
             continue
         c0 = count(build(knobs, pinned_k or k_lo), seq_len)
         d_params = abs(c0["params_total"] / p_ref - 1)  # params do not depend on k_c
-        if d_params > tol and best is not None and (not best[0] or d_params >= best[2]):
+        if d_params > tol and best is not None and (not best[0][0] or d_params >= best[0][-1]):
             continue
         if pinned_k is not None:
             ks = [pinned_k]
@@ -336,13 +344,13 @@ def match(
             ks = sorted({min(max(k, k_lo), e) for k in (math.floor(k_star), math.ceil(k_star))})
         for k in ks:
             err = mismatch(build(knobs, k))
-            key = (err > tol, pref if err <= tol else (), err)
-            if best is None or key < best[:3]:
-                best = (*key, knobs, k)
+            key = (err > tol, hard, err > 0.75 * tol, soft, err) if err <= tol else (True, (), True, 0, err)
+            if best is None or key < best[0]:
+                best = (key, knobs, k)
 
     if best is None:
         raise ValueError(f"no strategy-{strategy} candidate for this baseline (check the pinned overrides)")
-    config = ConceptMoEConfig(**{**kwargs, **overrides, **best[3], "concept_top_k": best[4]})
+    config = ConceptMoEConfig(**{**kwargs, **best[1], "concept_top_k": best[2]})
     report = match_report(baseline_config, config, seq_len)
     if not report["within_tolerance"]:
         logger.warning(

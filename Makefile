@@ -1,0 +1,49 @@
+# Everything runs from the project's own virtual environment, created on first use.
+# `make demo` and `make test` are all a new user needs; see README.md.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# Exact pins: a range (or torchvision unpinned) pulls a newer multi-GB CUDA torch (docs/ENVIRONMENT.md).
+TORCH_PINS := torch==2.14.1 torchvision==0.29.1
+
+# No network at run time: nothing may reach for the hub.
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: venv test demo bench lint format clean
+
+venv: $(STAMP)
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# Re-installs whenever pyproject.toml changes.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -U pip
+	$(BIN)/python -m pip install $(TORCH_PINS)
+	$(BIN)/python -m pip install -e '.[test]'
+	touch $@
+
+test: venv
+	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/python -m pytest -q tests
+
+demo: venv
+	$(BIN)/python scripts/demo_backbone.py
+
+bench: venv
+	$(BIN)/python scripts/bench_model.py
+
+lint: venv
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+format: venv
+	$(BIN)/ruff check --fix . && $(BIN)/ruff format .
+
+# Keeps .venv (delete it by hand to reinstall from scratch) and runs/ (experiment outputs).
+clean:
+	rm -rf build .pytest_cache .ruff_cache *.egg-info
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +

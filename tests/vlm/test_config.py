@@ -1,0 +1,74 @@
+"""Config validation, presets, HF Auto registration and the save/load round trip."""
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from vlm import ConceptMoEConfig, ConceptMoEForCausalLM
+
+
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        (dict(target_r=0.5), "target_r"),
+        (dict(chunking="dynamic", target_r=1.0), "target_r"),
+        (dict(top_k=9, num_experts=8), "top_k"),
+        (dict(concept_top_k=9), "concept_top_k"),
+        (dict(joint_layers=2, decoder_layers=1), "joint_layers"),
+        (dict(chunking="adaptive"), "chunking"),
+        (dict(router="mlp"), "router"),
+        (dict(merge="mean"), "merge"),
+        (dict(noise_tau=-1.0), "noise_tau"),
+        (dict(n_heads=4, n_kv_heads=3), "n_kv_heads"),
+        (dict(concept_loop=0), "concept_loop"),
+        (dict(concept_loop_layers=5), "concept_loop_layers"),
+        (dict(ratio_loss_weight=-0.1), "ratio_loss_weight"),
+        (dict(ffn="conv"), "ffn"),
+    ],
+)
+def test_invalid_values_raise_naming_the_field(overrides, field):
+    with pytest.raises(ValueError, match=rf"ConceptMoEConfig\.{field}=.*invalid"):
+        ConceptMoEConfig.from_preset("tiny", **overrides)
+
+
+def test_unknown_preset_lists_the_allowed_ones():
+    with pytest.raises(ValueError, match="tiny-moe"):
+        ConceptMoEConfig.from_preset("huge")
+
+
+def test_presets_and_their_baselines_differ_only_in_chunking_and_reallocation():
+    for name in ("tiny", "small"):
+        cmoe, base = ConceptMoEConfig.from_preset(name), ConceptMoEConfig.from_preset(f"{name}-moe")
+        assert cmoe.chunking == "dynamic" and cmoe.target_r == 2.0 and base.chunking == "none"
+        assert cmoe.concept_k > base.top_k  # strategy 1: the saved compute buys more active experts
+        for field in ("d_model", "num_experts", "expert_dim", "encoder_layers", "concept_layers", "vocab_size"):
+            assert getattr(cmoe, field) == getattr(base, field)
+
+
+def test_concept_schedule_loops_the_middle_layers():
+    cfg = ConceptMoEConfig(concept_layers=6, concept_loop=2, concept_loop_layers=2)
+    assert cfg.concept_schedule() == [0, 1, 2, 3, 2, 3, 4, 5]
+    assert ConceptMoEConfig(concept_layers=3, concept_loop=3).concept_schedule() == [0, 1, 2] * 3
+
+
+@pytest.mark.parametrize("preset,extra", [("tiny", {}), ("tiny-moe", {}), ("tiny", dict(concept_d_model=96,
+                         concept_num_experts=6, concept_loop=2, tie_word_embeddings=True, qk_norm="head",
+                         attention_bias=True))])  # fmt: skip
+def test_save_pretrained_round_trip_gives_identical_logits(tmp_path, preset, extra):
+    model = ConceptMoEForCausalLM(ConceptMoEConfig.from_preset(preset, **extra)).eval()
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists()
+    assert AutoConfig.from_pretrained(tmp_path).model_type == "conceptmoe"
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert isinstance(loaded, ConceptMoEForCausalLM)
+    assert loaded.config.to_diff_dict() | {"_name_or_path": ""} == model.config.to_diff_dict() | {"_name_or_path": ""}
+    ids = torch.randint(0, 512, (2, 30))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, loaded(ids).logits)
+
+
+def test_router_starts_at_identity_by_default():
+    model = ConceptMoEForCausalLM(ConceptMoEConfig.from_preset("tiny"))
+    assert torch.equal(model.model.chunker.q_proj.weight, torch.eye(64))
+    random = ConceptMoEForCausalLM(ConceptMoEConfig.from_preset("tiny", router_init="random"))
+    assert not torch.equal(random.model.chunker.q_proj.weight, torch.eye(64))

@@ -1,0 +1,142 @@
+"""The whole backbone: causality, packing, padding, the `none` baseline, chunk statistics."""
+
+import pytest
+import torch
+from naive_reference import plain_moe_transformer_logits
+
+from vlm import ConceptMoEConfig, ConceptMoEForCausalLM
+
+MODES = [
+    ("dynamic", "sum"),
+    ("dynamic", "last"),
+    ("fixed", "sum"),
+    ("fixed", "last"),
+    ("none", "sum"),
+]
+
+
+def tiny_model(chunking="dynamic", merge="sum", seed=0, **overrides):
+    torch.manual_seed(seed)
+    overrides.setdefault("router_init", "random")  # random q/k: boundaries vary from token to token
+    config = ConceptMoEConfig.from_preset("tiny", chunking=chunking, merge=merge, **overrides)
+    return ConceptMoEForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("chunking,merge", MODES)
+def test_causality_future_tokens_never_change_past_logits(chunking, merge):
+    model = tiny_model(chunking, merge)
+    torch.manual_seed(1)
+    ids = torch.randint(0, 512, (3, 48))
+    with torch.no_grad():
+        base = model(ids)
+        r = base.chunk_stats["r"]
+        assert chunking == "none" or 1.2 < r < 10, f"degenerate chunking (R={r}) would make this test vacuous"
+        for t in (0, 7, 23, 40):
+            changed = ids.clone()
+            changed[:, t + 1 :] = torch.randint(0, 512, changed[:, t + 1 :].shape)
+            logits = model(changed).logits
+            assert torch.allclose(logits[:, : t + 1], base.logits[:, : t + 1], atol=1e-5)
+            assert not torch.allclose(logits[:, t + 1 :], base.logits[:, t + 1 :], atol=1e-3)
+
+
+@pytest.mark.parametrize("extra", [{}, {"concept_loop": 2, "concept_loop_layers": 1}])
+def test_none_mode_is_a_plain_moe_transformer(extra):
+    model = tiny_model("none", **extra)
+    assert not hasattr(model.model, "chunker") and not hasattr(model.model, "concept_norm")
+    ids = torch.randint(0, 512, (2, 12))
+    doc = torch.tensor([[0] * 5 + [1] * 7, [0] * 12])
+    with torch.no_grad():
+        logits = model(ids, doc_ids=doc).logits
+        for row in range(2):
+            reference = plain_moe_transformer_logits(model, ids[row], doc[row])
+            assert torch.allclose(logits[row], reference, atol=1e-4)
+
+
+@pytest.mark.parametrize("chunking,merge", MODES + [("dynamic-wide-looped", "sum")])
+def test_packed_documents_equal_each_document_alone(chunking, merge):
+    extra = {}
+    if chunking == "dynamic-wide-looped":
+        chunking, extra = "dynamic", dict(concept_d_model=96, concept_num_experts=4, concept_top_k=2, concept_loop=2)
+    model = tiny_model(chunking, merge, **extra)
+    torch.manual_seed(2)
+    a, b, c = torch.randint(0, 512, (1, 13)), torch.randint(0, 512, (1, 20)), torch.randint(0, 512, (1, 7))
+    packed = torch.cat([a, b, c], dim=1)
+    doc = torch.tensor([[0] * 13 + [1] * 20 + [2] * 7])
+    with torch.no_grad():
+        logits = model(packed, doc_ids=doc).logits
+        alone = torch.cat([model(x).logits for x in (a, b, c)], dim=1)
+        # position_ids restarting at 0 mean the same as doc_ids (HF's flattening collator convention)
+        pos = torch.cat([torch.arange(13), torch.arange(20), torch.arange(7)])[None]
+        by_positions = model(packed, position_ids=pos).logits
+    assert torch.allclose(logits, alone, atol=1e-5)
+    assert torch.allclose(by_positions, alone, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunking", ["dynamic", "none"])
+def test_padding_is_invisible(chunking):
+    model = tiny_model(chunking)
+    torch.manual_seed(3)
+    short, long = torch.randint(0, 512, (1, 9)), torch.randint(0, 512, (1, 15))
+    right = torch.cat([short, torch.zeros(1, 6, dtype=torch.long)], dim=1)
+    left = torch.cat([torch.zeros(1, 6, dtype=torch.long), short], dim=1)
+    ids = torch.cat([right, left, long])
+    mask = torch.ones(3, 15, dtype=torch.long)
+    mask[0, 9:] = 0
+    mask[1, :6] = 0
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask)
+        ref_short, ref_long = model(short).logits, model(long).logits
+    assert torch.allclose(out.logits[0, :9], ref_short[0], atol=1e-5)
+    assert torch.allclose(out.logits[1, 6:], ref_short[0], atol=1e-5)
+    assert torch.allclose(out.logits[2], ref_long[0], atol=1e-5)
+    assert out.chunk_stats["tokens"] == 9 + 9 + 15
+
+
+def test_chunk_stats_per_modality_add_up():
+    model = tiny_model("dynamic")
+    ids = torch.randint(0, 512, (2, 40))
+    modality = (torch.rand(2, 40) < 0.4).long()
+    with torch.no_grad():
+        stats = model(ids, modality_ids=modality).chunk_stats
+    assert sum(stats["concepts_by_modality"].values()) == stats["concepts"]
+    assert sum(stats["tokens_by_modality"].values()) == stats["tokens"] == 80
+    for m, r in stats["r_by_modality"].items():
+        assert r == pytest.approx(stats["tokens_by_modality"][m] / stats["concepts_by_modality"][m])
+    assert stats["r"] == pytest.approx(80 / stats["concepts"])
+    assert stats["flip_rate"] == 0.0  # eval mode: no noise
+
+
+def test_eval_forward_is_deterministic_and_train_forward_is_noisy():
+    model = tiny_model("dynamic", router_init="identity")
+    ids = torch.randint(0, 512, (4, 64))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, model(ids).logits)
+        model.train()
+        stats = model(ids).chunk_stats
+    assert 0.0 < stats["flip_rate"] < 0.2
+
+
+def test_joint_zero_init_decoder_ignores_concept_in_attention():
+    model = tiny_model("dynamic", joint_zero_init=True)
+    attn = model.model.decoder.layers[-1].attn
+    assert attn.joint and attn.q_c.weight.abs().sum() == 0
+    x = torch.randn(1, 5, 64)
+    concept = torch.randn(1, 5, 64)
+    assert all(torch.equal(a, b) for a, b in zip(attn.joint_qkv(x, concept), attn.joint_qkv(x, None)))
+    model = tiny_model("dynamic")
+    attn = model.model.decoder.layers[-1].attn
+    assert not torch.equal(attn.joint_qkv(x, concept)[0], attn.joint_qkv(x, None)[0])
+
+
+def test_loss_is_the_weighted_sum_of_its_terms():
+    model = tiny_model("dynamic", router_z_loss_weight=0.001)
+    ids = torch.randint(0, 512, (2, 32))
+    model.train()
+    torch.manual_seed(0)
+    out = model(ids, labels=ids)
+    cfg, aux = model.config, out.aux
+    expected = (aux["lm_loss"] + cfg.ratio_loss_weight * aux["ratio_loss"] + cfg.balance_loss_weight *
+                aux["balance_loss"] + cfg.router_z_loss_weight * aux["z_loss"])  # fmt: skip
+    assert torch.allclose(out.loss, expected)
+    logits = out.logits[:, :-1].reshape(-1, cfg.vocab_size)
+    assert torch.allclose(aux["lm_loss"], torch.nn.functional.cross_entropy(logits, ids[:, 1:].reshape(-1)))
