@@ -109,9 +109,7 @@ def _collect_docstrings(root: str) -> tuple[tuple[str, int, str], ...]:
                 if doc and doc.strip():
                     found.append((rel, getattr(node, "lineno", 0), doc.strip()))
     found.sort(key=lambda item: (item[0], item[1]))
-    logger.info(
-        "collected %d docstrings from %d files under %s (%d unparsable)", len(found), n_files, root, n_failed
-    )
+    logger.info("collected %d docstrings from %d files under %s (%d unparsable)", len(found), n_files, root, n_failed)
     return tuple(found)
 
 
@@ -242,9 +240,7 @@ def packed_batches(
     last, possibly smaller, batch.
     """
     if seq_len < 1 or batch_size < 1:
-        raise ValueError(
-            f"seq_len and batch_size must be >= 1, got seq_len={seq_len}, batch_size={batch_size}"
-        )
+        raise ValueError(f"seq_len and batch_size must be >= 1, got seq_len={seq_len}, batch_size={batch_size}")
     if epochs is not None and epochs < 1:
         raise ValueError(f"epochs must be None or >= 1, got {epochs}")
     if len(docs) == 0:

@@ -117,8 +117,14 @@ def boundary_positions(b_BN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(valid_BM, boundary_BM, torch.zeros_like(boundary_BM)), valid_BM
 
 
-def merge_tokens(h_BND: torch.Tensor, b_BN: torch.Tensor, boundary_BM: torch.Tensor, valid_BM: torch.Tensor,
-                 layout: SeqLayout, mode: str) -> torch.Tensor:  # fmt: skip
+def merge_tokens(
+    h_BND: torch.Tensor,
+    b_BN: torch.Tensor,
+    boundary_BM: torch.Tensor,
+    valid_BM: torch.Tensor,
+    layout: SeqLayout,
+    mode: str,
+) -> torch.Tensor:
     """Concepts from token states: ``last`` keeps ĥ_{φ(m)}; ``sum`` adds ĥ over (φ(m−1), φ(m)].
 
     Sum windows are clipped at document starts (SPEC §13) and exclude padding; a token after the
@@ -160,5 +166,6 @@ def chunk_to_concepts(h_BND: torch.Tensor, chunk: ChunkOutput, layout: SeqLayout
     boundary_BM, valid_BM = boundary_positions(chunk.b_BN)
     c_BMD = merge_tokens(h_BND, chunk.b_BN, boundary_BM, valid_BM, layout, mode)
     p_BM = torch.where(valid_BM, torch.gather(chunk.p_BN, 1, boundary_BM), torch.ones_like(boundary_BM).float())
-    return Concepts(c_BMD=c_BMD, boundary_BM=boundary_BM, p_BM=p_BM, layout=concept_layout(layout, boundary_BM,
-                                                                                          valid_BM))  # fmt: skip
+    return Concepts(
+        c_BMD=c_BMD, boundary_BM=boundary_BM, p_BM=p_BM, layout=concept_layout(layout, boundary_BM, valid_BM)
+    )

@@ -43,7 +43,7 @@ def ema_over_concepts(c_BMD: torch.Tensor, p_BM: torch.Tensor, block: int = 64) 
     nb = -(-m // block)
     pad = nb * block - m
     p = torch.nn.functional.pad(p_BM.float(), (0, pad), value=1.0).view(b, nb, block)
-    x_BnTD = (p[..., None] * torch.nn.functional.pad(c_BMD.float(), (0, 0, 0, pad)).view(b, nb, block, d))
+    x_BnTD = p[..., None] * torch.nn.functional.pad(c_BMD.float(), (0, 0, 0, pad)).view(b, nb, block, d)
 
     decay = 1.0 - p
     reset = decay <= 0

@@ -12,9 +12,9 @@ Conventions (SPEC §13 "FLOP accounting"):
 * ``flops_attn_per_token``: attention-map FLOPs (QK^T and AV) with the *causal* convention: a query at
   position i attends to i keys, ~N/2 on average, so one token layer costs 2 * 2 * H * hd * N / 2 =
   2 * H * hd * N per token (the full square would be 4 * H * hd * N). A concept layer sees N/R concepts
-  and runs once per R tokens: (1/R) * 2 * H * hd_c * (N/R). With MHA (H * hd = d) this is SPEC Table 1's
-  L_C * d * N^2 (x 2 for QK^T + AV, / N per token) and its R^2 (S1), R^2 L_C / (L_C + L_loop) (S2) and
-  R^1.5 (S3 with d_c = sqrt(R) d) reductions.
+  and runs once per R tokens: (1/R) * 2 * H * hd_c * (N/R). With MHA (H * hd = d) the concept layers total
+  2 * L_C * d * N^2 / R^2 over a sequence: SPEC Table 1's L_C * d * N^2 / R^2 up to the constant, hence its
+  R^2 (S1), R^2 L_C / (L_C + L_loop) (S2) and R^1.5 (S3 with d_c = sqrt(R) d) reductions.
 * ``kv_cache_per_token``: cached K and V elements per token: 2 * KV * hd per token layer, and
   2 * KV * hd_c / R per concept-layer application (Table 1's 2 * L_C * d * N with MHA). Joint decoding adds
   no cache: c W^c is folded into the token's K and V.
@@ -42,15 +42,25 @@ TOLERANCE = 0.02
 # expert params is E / 8, so 12B / 0.5B needs about 250+ experts; 64-128 would give ~6B or ~1B active.
 # Used for accounting only (never instantiated).
 PAPER_SCALE_MOE = dict(
-    vocab_size=128000, d_model=1536, n_heads=12, n_kv_heads=4,
-    encoder_layers=4, concept_layers=16, decoder_layers=4,
-    num_experts=256, top_k=8, expert_dim=384, shared_experts=0,
-    chunking="none", target_r=1.0, max_position_embeddings=32768,
-)  # fmt: skip
+    vocab_size=128000,
+    d_model=1536,
+    n_heads=12,
+    n_kv_heads=4,
+    encoder_layers=4,
+    concept_layers=16,
+    decoder_layers=4,
+    num_experts=256,
+    top_k=8,
+    expert_dim=384,
+    shared_experts=0,
+    chunking="none",
+    target_r=1.0,
+    max_position_embeddings=32768,
+)
 
 
 # ----------------------------------------------------------------------------- plain view of a config
-_FIELDS = tuple(inspect.signature(ConceptMoEConfig.__init__).parameters)[1:-1]  # __init__ args, no self/kwargs
+_FIELDS = [k for k in inspect.signature(ConceptMoEConfig.__init__).parameters if k not in ("self", "kwargs")]
 
 
 class _Fields:
@@ -82,7 +92,7 @@ class _Fields:
 # ----------------------------------------------------------------------------- one transformer block
 @dataclass(frozen=True)
 class _Block:
-    """Shape of one self-attention + FFN block (token level or concept level)."""
+    """One pre-norm block (attention + MoE or dense SwiGLU) at width w, head dim hd (SPEC §0, §6-§7)."""
 
     width: int
     head_dim: int
@@ -90,63 +100,44 @@ class _Block:
     top_k: int
     ffn_dim: int
 
-    def attn_weights(self, cfg: ConceptMoEConfig) -> int:
-        """q, k, v, o projections: w x H hd, 2 x w x KV hd, H hd x w (SPEC §0: self-attention layers)."""
+    def attn_weights(self, cfg) -> int:
+        """q: w x H hd, k and v: w x KV hd, o: H hd x w."""
+        return self.width * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) * self.head_dim
+
+    def params(self, cfg) -> int:
+        """Both norms, attention (+ q/k/v biases, + qk norms), FFN: router w x E, E routed and
+        ``shared_experts`` x F shared SwiGLU widths (3 w F each), or one dense SwiGLU of ``dense_ffn_dim``."""
         q, kv = cfg.n_heads * self.head_dim, cfg.n_kv_heads * self.head_dim
-        return self.width * (2 * q + 2 * kv)
+        n = 2 * self.width + self.attn_weights(cfg)
+        n += (q + 2 * kv) if cfg.attention_bias else 0
+        n += {"none": 0, "head": 2 * self.head_dim, "full": q + kv}[cfg.qk_norm]
+        if cfg.ffn == "dense":
+            return n + 3 * self.width * cfg.dense_ffn_dim
+        w, f = self.width, self.ffn_dim
+        return n + w * self.experts + 3 * w * f * (self.experts + cfg.shared_experts)
 
-    def params(self, cfg: ConceptMoEConfig) -> int:
-        q, kv = cfg.n_heads * self.head_dim, cfg.n_kv_heads * self.head_dim
-        n = 2 * self.width + self.attn_weights(cfg)  # attn_norm + ffn_norm + projections
-        if cfg.attention_bias:  # biases on q, k, v (not o)
-            n += q + 2 * kv
-        if cfg.qk_norm == "head":
-            n += 2 * self.head_dim
-        elif cfg.qk_norm == "full":
-            n += q + kv
-        return n + self.ffn_params(cfg)
-
-    def ffn_params(self, cfg: ConceptMoEConfig) -> int:
-        if cfg.ffn == "dense":  # SwiGLU: gate, up, down
-            return 3 * self.width * cfg.dense_ffn_dim
-        router = self.width * self.experts
-        routed = 3 * self.experts * self.width * self.ffn_dim
-        shared = 3 * self.width * cfg.shared_experts * self.ffn_dim
-        return router + routed + shared
-
-    def inactive_params(self, cfg: ConceptMoEConfig) -> int:
+    def inactive_params(self, cfg) -> int:
         """Routed-expert weights a token does not touch: (E - k) * 3 * w * F."""
-        if cfg.ffn == "dense":
-            return 0
-        return (self.experts - self.top_k) * 3 * self.width * self.ffn_dim
+        return 0 if cfg.ffn == "dense" else (self.experts - self.top_k) * 3 * self.width * self.ffn_dim
 
-    def linear_flops(self, cfg: ConceptMoEConfig) -> int:
-        """2 x MACs of one token through the block: projections, router, k routed + shared experts."""
-        if cfg.ffn == "dense":
-            ffn = 3 * self.width * cfg.dense_ffn_dim
-        else:
-            ffn = self.width * self.experts + 3 * self.width * self.ffn_dim * (self.top_k + cfg.shared_experts)
+    def linear_flops(self, cfg) -> int:
+        """2 x MACs for one token: projections, router, k routed + shared experts (or the dense FFN)."""
+        w, f = self.width, self.ffn_dim
+        dense = cfg.ffn == "dense"
+        ffn = 3 * w * cfg.dense_ffn_dim if dense else w * self.experts + 3 * w * f * (self.top_k + cfg.shared_experts)
         return 2 * (self.attn_weights(cfg) + ffn)
 
-    def attn_map_flops(self, cfg: ConceptMoEConfig, n_keys: float) -> float:
-        """Causal QK^T + AV per query: 2 * H * hd * n_keys (n_keys / 2 keys on average, x 2 matmuls x 2)."""
+    def attn_map_flops(self, cfg, n_keys: float) -> float:
+        """Causal QK^T + AV for one query over a sequence of n_keys: 2 * H * hd * n_keys."""
         return 2 * cfg.n_heads * self.head_dim * n_keys
 
-    def kv_elements(self, cfg: ConceptMoEConfig) -> int:
+    def kv_elements(self, cfg) -> int:
         return 2 * cfg.n_kv_heads * self.head_dim
-
-
-def _token_block(cfg: ConceptMoEConfig) -> _Block:
-    return _Block(cfg.d_model, cfg.token_head_dim, cfg.num_experts, cfg.top_k, cfg.expert_dim)
-
-
-def _concept_block(cfg: ConceptMoEConfig) -> _Block:
-    return _Block(cfg.concept_width, cfg.concept_head_dim, cfg.concept_experts, cfg.concept_k, cfg.concept_ffn_dim)
 
 
 # ----------------------------------------------------------------------------- count
 def count(config: ConceptMoEConfig, seq_len: int = 4096, r: float | None = None) -> dict:
-    """Parameters, active parameters, per-token FLOPs and KV cache of ``config`` at sequence length ``seq_len``.
+    """Params, active params, per-token FLOPs and KV cache of ``config`` at sequence length ``seq_len``.
 
     ``r`` is the compression ratio N / M (default ``config.effective_r``: target R, or 1 without chunking).
     See the module docstring for the conventions. Returned keys (FLOPs are per token, forward):
@@ -157,66 +148,68 @@ def count(config: ConceptMoEConfig, seq_len: int = 4096, r: float | None = None)
     cfg = _Fields.of(config)
     r = cfg.effective_r if r is None else float(r)
     d, V = cfg.d_model, cfg.vocab_size
-    tok, con = _token_block(cfg), _concept_block(cfg)
+    tok = _Block(d, cfg.token_head_dim, cfg.num_experts, cfg.top_k, cfg.expert_dim)
+    d_c = cfg.concept_width
+    con = _Block(d_c, cfg.concept_head_dim, cfg.concept_experts, cfg.concept_k, cfg.concept_ffn_dim)
     n_tok = cfg.encoder_layers + cfg.decoder_layers
     schedule = cfg.concept_schedule()
     q, kv = cfg.n_heads * cfg.token_head_dim, cfg.n_kv_heads * cfg.token_head_dim
 
-    # Chunk module (SPEC §1, dynamic chunking only): cosine router q, k: d x d each; linear router:
-    # Linear(2d -> 1) with bias. Chunked models also have an RMSNorm(d_c) after the concept model, and the
-    # d -> d_c -> d projectors when the concept model is wider (strategy 3, SPEC §6). Joint decoding
-    # (SPEC §5, Eq. 11): W_q^c, W_k^c, W_v^c in the last ``joint_layers`` decoder blocks.
+    # Chunk module (SPEC §1; dynamic chunking only): cosine router q, k: d x d each; linear router:
+    # Linear(2d -> 1) with bias (it runs on N - 1 token pairs, counted as N). Every chunked model
+    # (dynamic or fixed) has an RMSNorm(d_c) after the concept model, the d -> d_c -> d projectors when
+    # the concept model is wider (strategy 3, SPEC §6), and joint decoding (SPEC §5, Eq. 11): W_q^c,
+    # W_k^c, W_v^c (d -> H hd, KV hd, KV hd) in the last ``joint_layers`` decoder blocks.
     dynamic = cfg.chunking == "dynamic"
     chunk = (2 * d * d if cfg.router == "cosine" else 2 * d + 1) if dynamic else 0
-    proj = 2 * d * cfg.concept_width if cfg.chunked and cfg.concept_width != d else 0
+    proj = 2 * d * d_c if cfg.chunked and d_c != d else 0
     joint = cfg.joint_layers * d * (q + 2 * kv) if cfg.chunked else 0
-    embed = V * d
-    head = 0 if cfg.tie_word_embeddings else d * V
-
-    params = {
-        "embedding": embed,
-        "lm_head": head,
-        "final_norm": d,
-        "token_layers": n_tok * tok.params(cfg),
-        "concept_layers": cfg.concept_layers * con.params(cfg),
-        "concept_norm": cfg.concept_width if cfg.chunked else 0,
-        "chunk": chunk,
-        "projectors": proj,
-        "joint": joint,
-    }
+    embed, head = V * d, (0 if cfg.tie_word_embeddings else d * V)
+    params = dict(
+        embedding=embed,
+        lm_head=head,
+        final_norm=d,
+        token_layers=n_tok * tok.params(cfg),
+        concept_layers=cfg.concept_layers * con.params(cfg),
+        concept_norm=d_c if cfg.chunked else 0,
+        chunk=chunk,
+        projectors=proj,
+        joint=joint,
+    )
     total = sum(params.values())
     inactive = n_tok * tok.inactive_params(cfg) + cfg.concept_layers * con.inactive_params(cfg)
 
-    chunk_flops = (2 * chunk if cfg.router == "cosine" else 2 * 2 * d) if dynamic else 0
-    flops_linear = {
-        "token_layers": n_tok * tok.linear_flops(cfg),
-        "concept_layers": len(schedule) * con.linear_flops(cfg) / r,
-        "chunk": chunk_flops,
-        "projectors": 2 * proj / r,
-        "joint": 2 * joint,
-        "lm_head": 2 * d * V,
-    }
+    # Full rate: token layers, chunk module, joint projections, LM head. Per concept (/ r): every concept
+    # layer application of the schedule (strategy-2 loops included) and the projectors.
+    flops_linear = dict(
+        token_layers=n_tok * tok.linear_flops(cfg),
+        concept_layers=len(schedule) * con.linear_flops(cfg) / r,
+        chunk=(2 * chunk if cfg.router == "cosine" else 2 * 2 * d) if dynamic else 0,
+        projectors=2 * proj / r,
+        joint=2 * joint,
+        lm_head=2 * d * V,
+    )
     linear = sum(flops_linear.values())
     attn = n_tok * tok.attn_map_flops(cfg, seq_len) + len(schedule) * con.attn_map_flops(cfg, seq_len / r) / r
     kv_cache = n_tok * tok.kv_elements(cfg) + len(schedule) * con.kv_elements(cfg) / r
-    return {
-        "params_total": total,
-        "params_active": total - inactive,
-        "params_active_nonembed": total - inactive - embed - head,
-        "params_embedding": embed + head,
-        "flops_linear_per_token": linear,
-        "flops_attn_per_token": attn,
-        "flops_per_token": linear + attn,
-        "kv_cache_per_token": kv_cache,
-        "r": r,
-        "seq_len": seq_len,
-        "params": params,
-        "flops_linear": flops_linear,
-    }
+    return dict(
+        params_total=total,
+        params_active=total - inactive,
+        params_embedding=embed + head,
+        params_active_nonembed=total - inactive - embed - head,
+        flops_linear_per_token=linear,
+        flops_attn_per_token=attn,
+        flops_per_token=linear + attn,
+        kv_cache_per_token=kv_cache,
+        r=r,
+        seq_len=seq_len,
+        params=params,
+        flops_linear=flops_linear,
+    )
 
 
 # ----------------------------------------------------------------------------- matching (SPEC §6)
-def match_report(baseline: ConceptMoEConfig, candidate: ConceptMoEConfig, seq_len: int = 4096) -> dict:
+def match_report(baseline, candidate, seq_len: int = 4096, tol: float = TOLERANCE) -> dict:
     """How ``candidate`` compares with ``baseline``: relative mismatch (candidate / baseline - 1) of total
     params and of linear (non-attention) FLOPs per token, and candidate / baseline ratios of the
     attention-map FLOPs at ``seq_len`` and of the KV cache (SPEC Table 1; < 1 means a saving)."""
@@ -228,7 +221,7 @@ def match_report(baseline: ConceptMoEConfig, candidate: ConceptMoEConfig, seq_le
         "params_mismatch": params,
         "flops_linear_mismatch": flops,
         "max_mismatch": worst,
-        "within_tolerance": worst <= TOLERANCE,
+        "within_tolerance": worst <= tol,
         "attn_flops_ratio": c["flops_attn_per_token"] / b["flops_attn_per_token"],
         "kv_cache_ratio": c["kv_cache_per_token"] / b["kv_cache_per_token"],
         "params_active_ratio": c["params_active"] / b["params_active"],
@@ -297,7 +290,8 @@ def match(
     1. more active concept experts: ``concept_top_k`` >= ``top_k`` (and ``concept_num_experts`` <= E to
        absorb the chunk / joint params; all E kept when possible);
     2. loops: ``concept_loop`` >= 2 over ``concept_loop_layers`` middle layers, plus ``concept_top_k`` /
-       ``concept_num_experts`` (fewest removed experts, then fewest loops preferred);
+       ``concept_num_experts`` (fewest removed experts, then fewest repetitions, then - among
+       mismatches <= 0.75 tol - ``concept_loop_layers`` nearest L_C / 2);
     3. wider concept model: ``concept_d_model`` in [1.25, 1.5] x d (closest to sqrt(R) d preferred),
        fewer ``concept_num_experts``, ``concept_expert_dim`` in [0.75, 1] x F, any ``concept_top_k``.
 
@@ -351,31 +345,27 @@ def match(
     if best is None:
         raise ValueError(f"no strategy-{strategy} candidate for this baseline (check the pinned overrides)")
     config = ConceptMoEConfig(**{**kwargs, **best[1], "concept_top_k": best[2]})
-    report = match_report(baseline_config, config, seq_len)
+    report = match_report(baseline_config, config, seq_len, tol)
     if not report["within_tolerance"]:
-        logger.warning(
-            "match(strategy=%d, R=%s): best candidate is off by %.2f%% (params %+.2f%%, linear FLOPs %+.2f%%)",
-            strategy,
-            target_r,
-            100 * report["max_mismatch"],
-            100 * report["params_mismatch"],
-            100 * report["flops_linear_mismatch"],
-        )
+        p, f = 100 * report["params_mismatch"], 100 * report["flops_linear_mismatch"]
+        msg = "match(strategy=%d, R=%s): best candidate is off by params %+.2f%%, linear FLOPs %+.2f%%"
+        logger.warning(msg, strategy, target_r, p, f)
     return (config, report) if return_report else config
 
 
 # ----------------------------------------------------------------------------- CLI
-def _table_rows(seq_len: int = 4096) -> list[tuple[str, ConceptMoEConfig, ConceptMoEConfig | None]]:
-    """(name, config, baseline or None): the presets, then matched configs for small-moe and paper scale."""
-    rows = [
-        ("tiny-moe", ConceptMoEConfig.from_preset("tiny-moe"), None),
-        ("tiny (preset)", ConceptMoEConfig.from_preset("tiny"), ConceptMoEConfig.from_preset("tiny-moe")),
-    ]
-    bases = [("small-moe", ConceptMoEConfig.from_preset("small-moe")), ("paper-moe", ConceptMoEConfig(**PAPER_SCALE_MOE))]
-    for name, base in bases:
+def _table_rows(seq_len: int):
+    """(name, config, baseline or None): presets, then matched configs for small-moe and the paper scale."""
+    preset = ConceptMoEConfig.from_preset
+    rows = [("tiny-moe", preset("tiny-moe"), None), ("tiny (preset)", preset("tiny"), preset("tiny-moe"))]
+    rows.append(("  S1 R=2", match(preset("tiny-moe"), 2.0, 1, seq_len=seq_len), preset("tiny-moe")))
+    for name, base in (
+        ("small-moe", preset("small-moe")),
+        ("paper-moe", ConceptMoEConfig(**PAPER_SCALE_MOE)),
+    ):
         rows.append((name, base, None))
         if name == "small-moe":
-            rows.append(("small (preset)", ConceptMoEConfig.from_preset("small"), base))
+            rows.append(("small (preset)", preset("small"), base))
         for strategy, r in ((1, 2.0), (1, 1.5), (2, 2.0), (3, 2.0)):
             rows.append((f"  S{strategy} R={r:g}", match(base, r, strategy, seq_len=seq_len), base))
     return rows
@@ -393,28 +383,35 @@ def _shape(cfg: ConceptMoEConfig) -> str:
 
 
 def format_table(seq_len: int = 4096) -> str:
-    """The table ``python -m vlm.flops`` prints (Markdown)."""
-    lines = [
-        f"| config | shape | params total | params active | linear GFLOP/tok | attn MFLOP/tok @{seq_len // 1024}K "
-        "| KV elems/tok | d params | d linear FLOPs | attn ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+    """The Markdown table ``python -m vlm.flops`` prints ("!" marks a mismatch over 2%)."""
+    head = [
+        "config",
+        "shape",
+        "params",
+        "active",
+        "active non-emb",
+        "linear GFLOP/tok",
+        f"attn MFLOP/tok @{seq_len}",
+        "KV/tok",
+        "d params",
+        "d linear FLOPs",
+        "attn ratio",
     ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, cfg, base in _table_rows(seq_len):
         c = count(cfg, seq_len)
+        cells = [name, _shape(cfg)]
+        cells += [f"{c[k] / 1e6:,.2f}M" for k in ("params_total", "params_active", "params_active_nonembed")]
+        cells += [f"{c['flops_linear_per_token'] / 1e9:.4f}", f"{c['flops_attn_per_token'] / 1e6:,.1f}"]
+        cells.append(f"{c['kv_cache_per_token']:,.0f}")
         if base is None:
-            diff = "| (baseline) | | |"
+            cells += ["(baseline)", "", ""]
         else:
             rep = match_report(base, cfg, seq_len)
-            flag = "" if rep["within_tolerance"] else " !"
-            diff = (
-                f"| {100 * rep['params_mismatch']:+.2f}%{flag} | {100 * rep['flops_linear_mismatch']:+.2f}%{flag} "
-                f"| {rep['attn_flops_ratio']:.3f} |"
-            )
-        lines.append(
-            f"| {name} | {_shape(cfg)} | {c['params_total'] / 1e6:,.2f}M | {c['params_active'] / 1e6:,.2f}M "
-            f"| {c['flops_linear_per_token'] / 1e9:.4f} | {c['flops_attn_per_token'] / 1e6:,.1f} "
-            f"| {c['kv_cache_per_token']:,.0f} {diff}"
-        )
+            for key in ("params_mismatch", "flops_linear_mismatch"):
+                cells.append(f"{100 * rep[key]:+.2f}%" + (" !" if abs(rep[key]) > TOLERANCE else ""))
+            cells.append(f"{rep['attn_flops_ratio']:.3f}")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -26,13 +26,29 @@ from vlm.outputs import BackboneOutput, ConceptMoECausalLMOutput, chunk_statisti
 class Block(nn.Module):
     """Pre-norm transformer block: x + Attn(norm(x) [, concept]); x + FFN(norm(x)), FFN = MoE or SwiGLU."""
 
-    def __init__(self, config: ConceptMoEConfig, d_model: int, head_dim: int, num_experts: int, top_k: int,
-                 expert_dim: int, joint: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        config: ConceptMoEConfig,
+        d_model: int,
+        head_dim: int,
+        num_experts: int,
+        top_k: int,
+        expert_dim: int,
+        joint: bool = False,
+    ):
         super().__init__()
         eps = config.rms_norm_eps
         self.attn_norm = RMSNorm(d_model, eps)
-        self.attn = Attention(d_model, config.n_heads, config.n_kv_heads, head_dim, config.attention_bias,
-                              config.qk_norm, eps, joint=joint)  # fmt: skip
+        self.attn = Attention(
+            d_model,
+            config.n_heads,
+            config.n_kv_heads,
+            head_dim,
+            config.attention_bias,
+            config.qk_norm,
+            eps,
+            joint=joint,
+        )
         self.ffn_norm = RMSNorm(d_model, eps)
         if config.ffn == "moe":
             self.ffn = MoE(d_model, num_experts, top_k, expert_dim, config.shared_experts, config.norm_topk_prob)
@@ -104,13 +120,18 @@ class ConceptMoEModel(ConceptMoEPreTrainedModel):
     def __init__(self, config: ConceptMoEConfig):
         super().__init__(config)
         d, hd, theta = config.d_model, config.token_head_dim, config.rope_theta
-        token_block = dict(d_model=d, head_dim=hd, num_experts=config.num_experts, top_k=config.top_k,
-                           expert_dim=config.expert_dim)  # fmt: skip
+        token_block = dict(
+            d_model=d, head_dim=hd, num_experts=config.num_experts, top_k=config.top_k, expert_dim=config.expert_dim
+        )
         self.embed_tokens = nn.Embedding(config.vocab_size, d)
         self.encoder = Stack([Block(config, **token_block) for _ in range(config.encoder_layers)], hd, theta)
-        concept_block = dict(d_model=config.concept_width, head_dim=config.concept_head_dim,
-                             num_experts=config.concept_experts, top_k=config.concept_k,
-                             expert_dim=config.concept_ffn_dim)  # fmt: skip
+        concept_block = dict(
+            d_model=config.concept_width,
+            head_dim=config.concept_head_dim,
+            num_experts=config.concept_experts,
+            top_k=config.concept_k,
+            expert_dim=config.concept_ffn_dim,
+        )
         self.concept_model = Stack(
             [Block(config, **concept_block) for _ in range(config.concept_layers)],
             config.concept_head_dim,
@@ -155,8 +176,16 @@ class ConceptMoEModel(ConceptMoEPreTrainedModel):
             c_BMD = self.concept_out(c_BMD)
         return c_BMD, stats
 
-    def forward(self, input_ids=None, inputs_embeds=None, doc_ids=None, position_ids=None, attention_mask=None,
-                modality_ids=None, **kwargs) -> BackboneOutput:  # fmt: skip
+    def forward(
+        self,
+        input_ids=None,
+        inputs_embeds=None,
+        doc_ids=None,
+        position_ids=None,
+        attention_mask=None,
+        modality_ids=None,
+        **kwargs,
+    ) -> BackboneOutput:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         h_BND = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
@@ -211,15 +240,30 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel):
     def set_output_embeddings(self, value):
         self.lm_head = value
 
-    def forward(self, input_ids=None, labels=None, doc_ids=None, modality_ids=None, attention_mask=None,
-                position_ids=None, inputs_embeds=None, **kwargs) -> ConceptMoECausalLMOutput:  # fmt: skip
+    def forward(
+        self,
+        input_ids=None,
+        labels=None,
+        doc_ids=None,
+        modality_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        inputs_embeds=None,
+        **kwargs,
+    ) -> ConceptMoECausalLMOutput:
         """Logits for every position; with ``labels`` (aligned with the inputs, -100 = ignore) the loss.
 
         ``doc_ids`` [B, N] marks packed documents (no attention, merging or EMA across them; positions
         restart); ``attention_mask`` marks padding (0); ``modality_ids`` only feeds ``chunk_stats``.
         """
-        out = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, doc_ids=doc_ids,
-                         position_ids=position_ids, attention_mask=attention_mask, modality_ids=modality_ids)  # fmt: skip
+        out = self.model(
+            input_ids=input_ids,
+            inputs_embeds=inputs_embeds,
+            doc_ids=doc_ids,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            modality_ids=modality_ids,
+        )
         logits = self.lm_head(out.last_hidden_state)
         aux = dict(out.aux)
         loss = None

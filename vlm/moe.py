@@ -46,8 +46,15 @@ def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
 
 
 class MoE(nn.Module):
-    def __init__(self, d_model: int, num_experts: int, top_k: int, expert_dim: int, shared_experts: int = 0,
-                 norm_topk_prob: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        d_model: int,
+        num_experts: int,
+        top_k: int,
+        expert_dim: int,
+        shared_experts: int = 0,
+        norm_topk_prob: bool = True,
+    ):
         super().__init__()
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.router = nn.Linear(d_model, num_experts, bias=False)

@@ -1,8 +1,10 @@
 """Named configurations. Each ConceptMoE preset has a compute-matched plain-MoE baseline ``<name>-moe``.
 
-The ConceptMoE presets are strategy 1 of SPEC §6 at R = 2: the same layers and experts as the
-baseline, with the concept model's top-k raised until total params and non-attention FLOPs per token
-match the baseline within 2% (``vlm.flops.match(baseline, 2.0, 1)`` reproduces them; a test checks it).
+The ConceptMoE presets are strategy 1 of SPEC §6 at R = 2: the same layers as the baseline, with the
+concept model's top-k raised until total params and non-attention FLOPs per token match the baseline
+within 2% (``vlm.flops.match(baseline, 2.0, 1)`` reproduces them; a test checks it). At d = 64 the chunk
+module and joint-decoding projections alone are 2.9% of the parameters, so ``tiny`` also gives its
+concept model one expert fewer (7 of 8); ``small`` keeps all 32.
 
 Ratio-loss weight λ: the paper uses 0.03 (inherited from H-Net) for runs of hundreds of billions of
 tokens. The tiny and small presets exist for runs of a few hundred CPU steps, where λ = 0.03 lets R
@@ -11,24 +13,44 @@ the target in ~150 steps. Use ``ratio_loss_weight=0.03`` for long runs.
 """
 
 TINY_MOE = dict(
-    vocab_size=512, d_model=64, n_heads=4, n_kv_heads=2,
-    encoder_layers=1, concept_layers=2, decoder_layers=1,
-    num_experts=8, top_k=2, expert_dim=64, shared_experts=1,
-    chunking="none", target_r=1.0, max_position_embeddings=4096,
-)  # fmt: skip
+    vocab_size=512,
+    d_model=64,
+    n_heads=4,
+    n_kv_heads=2,
+    encoder_layers=1,
+    concept_layers=2,
+    decoder_layers=1,
+    num_experts=8,
+    top_k=2,
+    expert_dim=64,
+    shared_experts=1,
+    chunking="none",
+    target_r=1.0,
+    max_position_embeddings=4096,
+)
 
 SMALL_MOE = dict(
-    vocab_size=8192, d_model=256, n_heads=8, n_kv_heads=4,
-    encoder_layers=2, concept_layers=6, decoder_layers=2,
-    num_experts=32, top_k=4, expert_dim=128, shared_experts=1,
-    chunking="none", target_r=1.0, max_position_embeddings=8192,
-)  # fmt: skip
+    vocab_size=8192,
+    d_model=256,
+    n_heads=8,
+    n_kv_heads=4,
+    encoder_layers=2,
+    concept_layers=6,
+    decoder_layers=2,
+    num_experts=32,
+    top_k=4,
+    expert_dim=128,
+    shared_experts=1,
+    chunking="none",
+    target_r=1.0,
+    max_position_embeddings=8192,
+)
 
 CHUNKED = dict(chunking="dynamic", target_r=2.0, ratio_loss_weight=0.3, noise_tau=6.0, merge="sum")
 
 PRESETS: dict[str, dict] = {
     "tiny-moe": TINY_MOE,
-    "tiny": {**TINY_MOE, **CHUNKED, "concept_top_k": 6},
+    "tiny": {**TINY_MOE, **CHUNKED, "concept_top_k": 5, "concept_num_experts": 7},
     "small-moe": SMALL_MOE,
-    "small": {**SMALL_MOE, **CHUNKED, "concept_top_k": 11},
+    "small": {**SMALL_MOE, **CHUNKED, "concept_top_k": 10},
 }

@@ -51,9 +51,24 @@ def test_concept_schedule_loops_the_middle_layers():
     assert ConceptMoEConfig(concept_layers=3, concept_loop=3).concept_schedule() == [0, 1, 2] * 3
 
 
-@pytest.mark.parametrize("preset,extra", [("tiny", {}), ("tiny-moe", {}), ("tiny", dict(concept_d_model=96,
-                         concept_num_experts=6, concept_loop=2, tie_word_embeddings=True, qk_norm="head",
-                         attention_bias=True))])  # fmt: skip
+@pytest.mark.parametrize(
+    "preset,extra",
+    [
+        ("tiny", {}),
+        ("tiny-moe", {}),
+        (
+            "tiny",
+            dict(
+                concept_d_model=96,
+                concept_num_experts=6,
+                concept_loop=2,
+                tie_word_embeddings=True,
+                qk_norm="head",
+                attention_bias=True,
+            ),
+        ),
+    ],
+)
 def test_save_pretrained_round_trip_gives_identical_logits(tmp_path, preset, extra):
     model = ConceptMoEForCausalLM(ConceptMoEConfig.from_preset(preset, **extra)).eval()
     model.save_pretrained(tmp_path)

@@ -1,4 +1,4 @@
-"""Tests of vlm.flops: params against the real model, FLOPs against torch's FlopCounterMode, compute matching."""
+"""vlm.flops: params against the real model, FLOPs against torch's FlopCounterMode, compute matching."""
 
 from __future__ import annotations
 
@@ -14,9 +14,19 @@ from vlm import ConceptMoEConfig, ConceptMoEForCausalLM
 from vlm.flops import PAPER_SCALE_MOE, count, format_table, match, match_report
 
 SMALLER = dict(  # small-moe's shape (GQA, shared expert, 2 + L_C + 2 layers) at a fraction of its size
-    vocab_size=1000, d_model=128, n_heads=8, n_kv_heads=4, encoder_layers=2, concept_layers=3,
-    decoder_layers=2, num_experts=8, top_k=2, expert_dim=48, shared_experts=1, target_r=2.0,
-)  # fmt: skip
+    vocab_size=1000,
+    d_model=128,
+    n_heads=8,
+    n_kv_heads=4,
+    encoder_layers=2,
+    concept_layers=3,
+    decoder_layers=2,
+    num_experts=8,
+    top_k=2,
+    expert_dim=48,
+    shared_experts=1,
+    target_r=2.0,
+)
 
 PARAM_CASES = {
     "tiny-moe": ("tiny-moe", {}),
@@ -24,7 +34,10 @@ PARAM_CASES = {
     "smaller-small-moe": (None, {**SMALLER, "chunking": "none", "target_r": 1.0}),
     "smaller-small": (None, {**SMALLER, "concept_top_k": 5}),
     "s2-loop": ("tiny", dict(concept_loop=3, concept_loop_layers=1, concept_top_k=3)),
-    "s3-wide": ("tiny", dict(concept_d_model=96, concept_num_experts=4, concept_top_k=2, concept_expert_dim=48)),
+    "s3-wide": (
+        "tiny",
+        dict(concept_d_model=96, concept_num_experts=4, concept_top_k=2, concept_expert_dim=48),
+    ),
     "linear-router": ("tiny", dict(router="linear")),
     "fixed-chunking": ("tiny", dict(chunking="fixed", concept_d_model=128, concept_top_k=2)),
     "bias-qknorm-head": (None, {**SMALLER, "attention_bias": True, "qk_norm": "head"}),
@@ -57,12 +70,15 @@ def test_params_active_drops_unused_experts():
     assert c["params_active_nonembed"] == c["params_active"] - 2 * config.vocab_size * config.d_model
 
 
+WIDE_LOOP = dict(concept_d_model=96, concept_num_experts=4, concept_top_k=3, concept_loop=2, concept_loop_layers=1)
+
+
 @pytest.mark.parametrize(
     "preset, overrides",
     [
         ("tiny-moe", {}),
         ("tiny", {}),
-        ("tiny", dict(concept_d_model=96, concept_num_experts=4, concept_top_k=3, concept_loop=2, concept_loop_layers=1)),
+        ("tiny", WIDE_LOOP),
         ("tiny-moe", dict(ffn="dense", n_kv_heads=4)),
     ],
 )
@@ -99,7 +115,8 @@ def test_flops_match_flop_counter(preset, overrides):
 
 @pytest.mark.parametrize("strategy", [1, 2, 3])
 def test_table1_attention_and_kv_reductions(strategy):
-    """Concept-only MHA model: SPEC Table 1's R^2, R^2 L_C/(L_C+L_loop), R^1.5 (d_c = sqrt(R) d) and KV ratios."""
+    """Concept-only MHA model: SPEC Table 1's R^2, R^2 L_C / (L_C + L_loop), R^1.5 (d_c = sqrt(R) d)
+    attention-map reductions and R, R L_C / (L_C + L_loop), sqrt(R) KV-cache reductions."""
     r, d = 4.0, 64
     shape = dict(d_model=d, n_heads=4, encoder_layers=0, concept_layers=4, decoder_layers=0, vocab_size=64)
     base = ConceptMoEConfig(**shape, chunking="none", target_r=1.0)
@@ -129,7 +146,8 @@ def test_match_within_two_percent(base_name, strategy, r):
     assert abs(c["flops_linear_per_token"] / b["flops_linear_per_token"] - 1) <= 0.02
     assert c["flops_attn_per_token"] < b["flops_attn_per_token"]  # the saving the paper leaves unmatched
     assert config.chunking == "dynamic" and config.target_r == r
-    assert (config.d_model, config.vocab_size, config.encoder_layers) == (base.d_model, base.vocab_size, 4 if base_name == "paper" else 2)
+    for field in ("d_model", "vocab_size", "encoder_layers", "decoder_layers", "concept_layers", "top_k"):
+        assert getattr(config, field) == getattr(base, field), field
     config.validate_fields()
     if strategy == 1:
         assert config.concept_k > base.top_k and config.concept_loop == 1 and config.concept_width == base.d_model
@@ -157,8 +175,11 @@ def test_match_pins_overrides_and_warns_when_unreachable(caplog):
 @pytest.mark.parametrize("name", ["tiny", "small"])
 def test_presets_match_their_baselines(name):
     """vlm/presets.py: the chunked presets are strategy 1 at R = 2 of their ``-moe`` baselines."""
-    report = match_report(ConceptMoEConfig.from_preset(f"{name}-moe"), ConceptMoEConfig.from_preset(name))
-    assert report["within_tolerance"], report
+    base, preset = ConceptMoEConfig.from_preset(f"{name}-moe"), ConceptMoEConfig.from_preset(name)
+    report = match_report(base, preset)
+    fix = match(base, preset.target_r, 1)
+    suggestion = {k: getattr(fix, k) for k in ("concept_top_k", "concept_num_experts")}
+    assert report["within_tolerance"], f"{name}: {report}; match(..., 1) suggests {suggestion}"
 
 
 def test_cli_table():

@@ -135,8 +135,12 @@ def test_loss_is_the_weighted_sum_of_its_terms():
     torch.manual_seed(0)
     out = model(ids, labels=ids)
     cfg, aux = model.config, out.aux
-    expected = (aux["lm_loss"] + cfg.ratio_loss_weight * aux["ratio_loss"] + cfg.balance_loss_weight *
-                aux["balance_loss"] + cfg.router_z_loss_weight * aux["z_loss"])  # fmt: skip
+    expected = (
+        aux["lm_loss"]
+        + cfg.ratio_loss_weight * aux["ratio_loss"]
+        + cfg.balance_loss_weight * aux["balance_loss"]
+        + cfg.router_z_loss_weight * aux["z_loss"]
+    )
     assert torch.allclose(out.loss, expected)
     logits = out.logits[:, :-1].reshape(-1, cfg.vocab_size)
     assert torch.allclose(aux["lm_loss"], torch.nn.functional.cross_entropy(logits, ids[:, 1:].reshape(-1)))
