@@ -112,7 +112,7 @@ class ConceptMoEPreTrainedModel(PreTrainedModel):
         elif isinstance(module, RMSNorm):
             init.ones_(module.weight)
         elif isinstance(module, MoE):
-            for w in (module.w_gate, module.w_up, module.w_down):
+            for w in (module.w_gate_up, module.w_down):
                 init.normal_(w, mean=0.0, std=std)
 
 

@@ -46,6 +46,8 @@ def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
 
 
 class MoE(nn.Module):
+    """Routed experts stored stacked: ``w_gate_up`` [E, D, 2F] (gate | up halves), ``w_down`` [E, F, D]."""
+
     def __init__(
         self,
         d_model: int,
@@ -58,10 +60,10 @@ class MoE(nn.Module):
         super().__init__()
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.router = nn.Linear(d_model, num_experts, bias=False)
-        self.w_gate = nn.Parameter(torch.empty(num_experts, d_model, expert_dim))
-        self.w_up = nn.Parameter(torch.empty(num_experts, d_model, expert_dim))
+        self.w_gate_up = nn.Parameter(torch.empty(num_experts, d_model, 2 * expert_dim))
         self.w_down = nn.Parameter(torch.empty(num_experts, expert_dim, d_model))
         self.shared = SwiGLU(d_model, shared_experts * expert_dim) if shared_experts > 0 else None
+        self.grouped_mm_ok = hasattr(F, "grouped_mm")
 
     def route(self, x_TD: torch.Tensor):
         """Softmax over all experts, keep the top-k (renormalised if ``norm_topk_prob``)."""
@@ -72,34 +74,44 @@ class MoE(nn.Module):
             weight_TK = weight_TK / weight_TK.sum(dim=-1, keepdim=True)
         return logits_TE, probs_TE, weight_TK, expert_idx_TK
 
-    def experts(self, x_TD: torch.Tensor, weight_TK: torch.Tensor, expert_idx_TK: torch.Tensor):
-        """Grouped dispatch: sort (token, expert) pairs by expert, one SwiGLU matmul per expert slice."""
-        t, k = expert_idx_TK.shape
-        flat_expert_S = expert_idx_TK.reshape(-1)
-        order_S = torch.argsort(flat_expert_S, stable=True)
-        token_S = order_S // k
-        counts = torch.bincount(flat_expert_S, minlength=self.num_experts)
-        x_SD = x_TD[token_S]
+    def expert_ffn(self, x_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """SwiGLU of every row with its expert's weights; rows come sorted by expert, ``counts_E`` per expert.
+
+        One grouped matmul per weight where PyTorch has one for this device/dtype, else a loop over
+        experts (never over tokens). The loop unbinds the stacked weights once: indexing w[e] per expert
+        would make autograd materialise E full-size weight gradients.
+        """
+        if self.grouped_mm_ok:
+            try:
+                offs = torch.cumsum(counts_E, 0).to(torch.int32)
+                gate, up = F.grouped_mm(x_SD, self.w_gate_up, offs=offs).chunk(2, dim=-1)
+                return F.grouped_mm(F.silu(gate) * up, self.w_down, offs=offs)
+            except (RuntimeError, NotImplementedError):
+                self.grouped_mm_ok = False  # e.g. fp32 on CUDA: grouped GEMM kernels want bf16
         outs = []
-        for e, x_ED in enumerate(torch.split(x_SD, counts.tolist())):
-            if x_ED.shape[0] == 0:
-                continue
-            h_EF = F.silu(x_ED @ self.w_gate[e]) * (x_ED @ self.w_up[e])
-            outs.append(h_EF @ self.w_down[e])
-        y_SD = torch.cat(outs) * weight_TK.reshape(-1)[order_S, None].to(x_TD.dtype)
-        return torch.zeros_like(x_TD).index_add_(0, token_S, y_SD), counts
+        w_gate_up, w_down = self.w_gate_up.unbind(0), self.w_down.unbind(0)
+        for e, x_ED in enumerate(torch.split(x_SD, counts_E.tolist())):
+            if x_ED.shape[0] > 0:
+                gate, up = (x_ED @ w_gate_up[e]).chunk(2, dim=-1)
+                outs.append((F.silu(gate) * up) @ w_down[e])
+        return torch.cat(outs)
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
         logits_TE, probs_TE, weight_TK, expert_idx_TK = self.route(x_TD)
-        if x_TD.shape[0] == 0:
-            y_TD, counts = torch.zeros_like(x_TD), torch.zeros(self.num_experts, dtype=torch.long)
-        else:
-            y_TD, counts = self.experts(x_TD, weight_TK, expert_idx_TK)
+        t, k = expert_idx_TK.shape
+        flat_expert_S = expert_idx_TK.reshape(-1)
+        counts_E = torch.bincount(flat_expert_S, minlength=self.num_experts)
+        y_TD = torch.zeros_like(x_TD)
+        if t > 0:  # dropless grouped dispatch: sort (token, expert) pairs by expert
+            order_S = torch.argsort(flat_expert_S, stable=True)
+            token_S = order_S // k
+            y_SD = self.expert_ffn(x_TD[token_S], counts_E)
+            y_TD = y_TD.index_add(0, token_S, y_SD * weight_TK.reshape(-1)[order_S, None].to(x_TD.dtype))
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD)
         stats = RouterStats(
             balance_loss=load_balancing_loss(probs_TE, expert_idx_TK),
             z_loss=router_z_loss(logits_TE),
-            tokens_per_expert_E=counts,
+            tokens_per_expert_E=counts_E,
         )
         return y_TD, stats

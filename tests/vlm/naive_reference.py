@@ -50,7 +50,9 @@ def moe_per_token(moe, x_TD):
         if moe.norm_topk_prob:
             w = w / w.sum()
         for weight, e in zip(w, idx.tolist()):
-            hidden = F.silu(x_TD[t] @ moe.w_gate[e]) * (x_TD[t] @ moe.w_up[e])
+            f = moe.w_down.shape[1]
+            gate, up = moe.w_gate_up[e, :, :f], moe.w_gate_up[e, :, f:]
+            hidden = F.silu(x_TD[t] @ gate) * (x_TD[t] @ up)
             out[t] += weight * (hidden @ moe.w_down[e])
         if moe.shared is not None:
             out[t] += moe.shared(x_TD[t])

@@ -10,7 +10,7 @@ from vlm.moe import MoE, load_balancing_loss, router_z_loss
 def _moe(norm_topk_prob=True, shared=1, experts=6, k=2):
     torch.manual_seed(0)
     moe = MoE(16, experts, k, 24, shared_experts=shared, norm_topk_prob=norm_topk_prob)
-    for w in (moe.w_gate, moe.w_up, moe.w_down):
+    for w in (moe.w_gate_up, moe.w_down):
         torch.nn.init.normal_(w, std=0.2)
     return moe
 
@@ -28,6 +28,16 @@ def test_dispatch_matches_per_token_reference(norm_topk_prob, shared, k):
     (y * g).sum().backward()
     (y_ref * g).sum().backward()
     assert torch.allclose(x.grad, x_ref.grad, atol=1e-5)
+
+
+def test_grouped_matmul_and_expert_loop_agree():
+    moe = _moe(experts=8, k=3)
+    x = torch.randn(50, 16)
+    assert moe.grouped_mm_ok, "this torch has F.grouped_mm on CPU: the fast path must be the one tested"
+    y_grouped, _ = moe(x)
+    moe.grouped_mm_ok = False
+    y_loop, _ = moe(x)
+    assert torch.allclose(y_grouped, y_loop, atol=1e-6)
 
 
 def test_dispatch_with_unused_experts_and_empty_input():
