@@ -20,7 +20,7 @@ from vlm.layers import SeqLayout, attention_mask, positions_in_document
 class ChunkOutput:
     p_BN: torch.Tensor  # float: raw boundary probability (1 at document starts, 0 on padding)
     b_BN: torch.Tensor  # bool: boundaries actually used (sampled with noise in training)
-    b_hard_BN: torch.Tensor  # bool: p >= threshold (what eval would use), for the flip rate
+    b_hard_BN: torch.Tensor  # bool: p >= 0.5 (what eval uses), for the flip rate
 
 
 @dataclass
@@ -76,9 +76,9 @@ class ChunkModule(nn.Module):
     states the cosine router compares, without the cosine's scale invariance.
     """
 
-    def __init__(self, d_model: int, router: str, threshold: float = 0.5):
+    def __init__(self, d_model: int, router: str):
         super().__init__()
-        self.router_kind, self.threshold = router, threshold
+        self.router_kind = router
         if router == "cosine":
             self.q_proj = nn.Linear(d_model, d_model, bias=False)
             self.k_proj = nn.Linear(d_model, d_model, bias=False)
@@ -98,7 +98,7 @@ class ChunkModule(nn.Module):
 
     def forward(self, h_BND: torch.Tensor, layout: SeqLayout, tau: float) -> ChunkOutput:
         p_BN = self.boundary_probs(h_BND, layout)
-        b_hard_BN = (p_BN >= self.threshold) & layout.valid_BN
+        b_hard_BN = (p_BN >= 0.5) & layout.valid_BN  # Eq. 2's threshold, the centre of Eq. 5's noise
         if self.training and tau > 0:
             b_BN = (sample_boundaries(p_BN, tau) | layout.start_BN) & layout.valid_BN
         else:

@@ -36,6 +36,9 @@ class ConceptMoEConfig(PretrainedConfig):
 
     model_type = "conceptmoe"
     keys_to_ignore_at_inference = ["past_key_values"]
+    # ``top_k`` (experts per token) is stored as ``num_experts_per_tok``: under its own name generation would
+    # read it as the sampling top-k (GenerationConfig.from_model_config copies same-named fields).
+    attribute_map = {"top_k": "num_experts_per_tok"}
 
     def __init__(
         self,
@@ -67,7 +70,6 @@ class ConceptMoEConfig(PretrainedConfig):
         router: str = "cosine",
         router_init: str = "identity",
         merge: str = "sum",
-        boundary_threshold: float = 0.5,
         noise_tau: float = 6.0,
         ratio_loss_weight: float = 0.03,
         joint_layers: int | None = None,
@@ -79,8 +81,11 @@ class ConceptMoEConfig(PretrainedConfig):
         max_position_embeddings: int = 32768,
         initializer_range: float = 0.02,
         tie_word_embeddings: bool = False,
+        num_experts_per_tok: int | None = None,
         **kwargs,
     ):
+        if num_experts_per_tok is not None:  # the stored name of top_k (see attribute_map)
+            top_k = num_experts_per_tok
         self.vocab_size = vocab_size
         self.d_model = d_model
         self.n_heads = n_heads
@@ -109,7 +114,6 @@ class ConceptMoEConfig(PretrainedConfig):
         self.router = router
         self.router_init = router_init
         self.merge = merge
-        self.boundary_threshold = boundary_threshold
         self.noise_tau = float(noise_tau)
         self.ratio_loss_weight = ratio_loss_weight
         self.joint_layers = decoder_layers if joint_layers is None else joint_layers
@@ -191,7 +195,7 @@ class ConceptMoEConfig(PretrainedConfig):
         return list(range(start)) + middle * self.concept_loop + list(range(start + m, n_layers))
 
     def _get_generation_parameters(self) -> dict:
-        """``top_k`` here is the MoE's experts per token, not a sampling setting: never report it as one."""
+        """``top_k`` here is the MoE's experts per token (an alias, see attribute_map), not a sampling setting."""
         return {k: v for k, v in super()._get_generation_parameters().items() if k != "top_k"}
 
     # ----------------------------------------------------------------- validation
@@ -252,7 +256,13 @@ class ConceptMoEConfig(PretrainedConfig):
             "target_r",
             "must be > 1 with chunking='dynamic' (the ratio loss Eq. 4 divides by R - 1); use chunking='none' for R=1",
         )
-        need(0.0 < self.boundary_threshold < 1.0, "boundary_threshold", "must be in (0, 1)")
+        need(self.token_head_dim % 2 == 0, "head_dim", "must be even (RoPE rotates pairs of channels)")
+        need(self.concept_head_dim % 2 == 0, "concept_d_model", "must give an even per-head width (RoPE)")
+        need(
+            self.chunked or self.concept_width == self.d_model,
+            "concept_d_model",
+            "must equal d_model with chunking='none' (the d <-> d_c projectors belong to chunk / dechunk)",
+        )
         need(self.noise_tau >= 0.0, "noise_tau", "must be >= 0 (0 disables boundary noise; the paper uses 6)")
         need(self.ratio_loss_weight >= 0.0, "ratio_loss_weight", "must be >= 0")
         need(self.balance_loss_weight >= 0.0, "balance_loss_weight", "must be >= 0")

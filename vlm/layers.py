@@ -76,6 +76,9 @@ def make_layout(
     doc_BN = torch.where(valid_BN, doc_BN.long(), torch.full_like(doc_BN, -1, dtype=torch.long))
     prev_BN = torch.cat([torch.full_like(doc_BN[:, :1], -2), doc_BN[:, :-1]], dim=1)
     start_BN = valid_BN & (doc_BN != prev_BN)
+    # ids -> segments: a reused id (doc_ids 0,0,1,1,0,0) is still a new document where it starts again
+    segment_BN = torch.cumsum((doc_BN != prev_BN).long(), dim=1)
+    doc_BN = torch.where(valid_BN, segment_BN, torch.full_like(segment_BN, -1))
     if pos_BN is None:
         pos_BN = positions_in_document(doc_BN)
     mask = None if plain else attention_mask(doc_BN)
@@ -160,13 +163,17 @@ class Attention(nn.Module):
         if self.qk_norm == "head":
             q_BHNK, k_BGNK = self.q_norm(q_BHNK), self.k_norm(k_BGNK)
         q_BHNK, k_BGNK = apply_rope(q_BHNK, cos, sin), apply_rope(k_BGNK, cos, sin)
+        gqa = self.n_kv_heads != self.n_heads
+        if gqa and mask_B1NN is not None:  # SDPA's enable_gqa + an explicit mask falls back to the slow math path
+            k_BGNK = k_BGNK.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
+            v_BGNK = v_BGNK.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
         out_BHNK = F.scaled_dot_product_attention(
             q_BHNK,
             k_BGNK,
             v_BGNK,
             attn_mask=mask_B1NN,
             is_causal=mask_B1NN is None,
-            enable_gqa=self.n_kv_heads != self.n_heads,
+            enable_gqa=gqa and mask_B1NN is None,
         )
         return self.o_proj(out_BHNK.transpose(1, 2).reshape(b, n, -1))
 

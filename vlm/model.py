@@ -144,7 +144,7 @@ class ConceptMoEModel(ConceptMoEPreTrainedModel):
         )
         self.norm = RMSNorm(d, config.rms_norm_eps)
         if config.chunking == "dynamic":
-            self.chunker = ChunkModule(d, config.router, config.boundary_threshold)
+            self.chunker = ChunkModule(d, config.router)
         if config.chunked:
             self.concept_norm = RMSNorm(config.concept_width, config.rms_norm_eps)
             if config.concept_width != d:  # strategy 3: wider concept model behind projectors
@@ -268,9 +268,9 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel):
         aux = dict(out.aux)
         loss = None
         if labels is not None:
-            aux["lm_loss"] = F.cross_entropy(
-                logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100
-            )
+            targets = labels[:, 1:].flatten()
+            nll = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets, ignore_index=-100, reduction="sum")
+            aux["lm_loss"] = nll / (targets != -100).sum().clamp_min(1)  # 0, not NaN, when nothing is labelled
             cfg = self.config
             loss = aux["lm_loss"]
             if "ratio_loss" in aux:

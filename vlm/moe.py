@@ -7,6 +7,8 @@ weighted outputs are added back per token with ``index_add_``.
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlm.layers import SwiGLU
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -45,6 +49,20 @@ def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits_TE, dim=-1).pow(2).mean()
 
 
+@functools.cache
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``F.grouped_mm`` runs forward and backward here (CPU: yes; CUDA: bf16 on SM >= 80)."""
+    try:
+        x = torch.ones(4, 8, device=device, dtype=dtype, requires_grad=True)
+        w = torch.ones(2, 8, 8, device=device, dtype=dtype, requires_grad=True)
+        offs = torch.tensor([1, 4], device=device, dtype=torch.int32)
+        F.grouped_mm(x, w, offs=offs).square().sum().backward()
+        return True
+    except (RuntimeError, NotImplementedError) as err:
+        logger.info("grouped_mm unavailable on %s/%s (%s): MoE uses a loop over experts", device, dtype, err)
+        return False
+
+
 class MoE(nn.Module):
     """Routed experts stored stacked: ``w_gate_up`` [E, D, 2F] (gate | up halves), ``w_down`` [E, F, D]."""
 
@@ -63,7 +81,7 @@ class MoE(nn.Module):
         self.w_gate_up = nn.Parameter(torch.empty(num_experts, d_model, 2 * expert_dim))
         self.w_down = nn.Parameter(torch.empty(num_experts, expert_dim, d_model))
         self.shared = SwiGLU(d_model, shared_experts * expert_dim) if shared_experts > 0 else None
-        self.grouped_mm_ok = hasattr(F, "grouped_mm")
+        self.grouped_mm_ok = hasattr(F, "grouped_mm")  # set False to force the loop over experts
 
     def route(self, x_TD: torch.Tensor):
         """Softmax over all experts, keep the top-k (renormalised if ``norm_topk_prob``)."""
@@ -81,13 +99,10 @@ class MoE(nn.Module):
         experts (never over tokens). The loop unbinds the stacked weights once: indexing w[e] per expert
         would make autograd materialise E full-size weight gradients.
         """
-        if self.grouped_mm_ok:
-            try:
-                offs = torch.cumsum(counts_E, 0).to(torch.int32)
-                gate, up = F.grouped_mm(x_SD, self.w_gate_up, offs=offs).chunk(2, dim=-1)
-                return F.grouped_mm(F.silu(gate) * up, self.w_down, offs=offs)
-            except (RuntimeError, NotImplementedError):
-                self.grouped_mm_ok = False  # e.g. fp32 on CUDA: grouped GEMM kernels want bf16
+        if self.grouped_mm_ok and grouped_mm_supported(x_SD.device, x_SD.dtype):
+            offs = torch.cumsum(counts_E, 0).to(torch.int32)
+            gate, up = F.grouped_mm(x_SD, self.w_gate_up, offs=offs).chunk(2, dim=-1)
+            return F.grouped_mm(F.silu(gate) * up, self.w_down, offs=offs)
         outs = []
         w_gate_up, w_down = self.w_gate_up.unbind(0), self.w_down.unbind(0)
         for e, x_ED in enumerate(torch.split(x_SD, counts_E.tolist())):
@@ -101,7 +116,8 @@ class MoE(nn.Module):
         t, k = expert_idx_TK.shape
         flat_expert_S = expert_idx_TK.reshape(-1)
         counts_E = torch.bincount(flat_expert_S, minlength=self.num_experts)
-        y_TD = torch.zeros_like(x_TD)
+        # an empty input (a fully padded batch) still gives the experts a (zero) gradient, as ZeRO expects
+        y_TD = torch.zeros_like(x_TD) + 0.0 * (self.w_gate_up.sum() + self.w_down.sum()).to(x_TD.dtype)
         if t > 0:  # dropless grouped dispatch: sort (token, expert) pairs by expert
             order_S = torch.argsort(flat_expert_S, stable=True)
             token_S = order_S // k

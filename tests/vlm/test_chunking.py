@@ -90,7 +90,8 @@ def test_noise_flip_rate_matches_derivation_and_is_off_in_eval():
     assert torch.equal(out_eval.b_BN, out_eval.p_BN >= 0.5)
 
 
-def test_gradients_reach_router_projections_through_ste_alone():
+def test_gradients_reach_router_projections_from_the_lm_loss_alone():
+    """λ = 0: the router learns from the LM loss through the STE confidences and the EMA weights."""
     config = ConceptMoEConfig.from_preset("tiny", ratio_loss_weight=0.0, router_init="random")
     model = ConceptMoEForCausalLM(config)
     ids = torch.randint(0, config.vocab_size, (2, 32))

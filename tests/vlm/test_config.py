@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from vlm import ConceptMoEConfig, ConceptMoEForCausalLM
 
@@ -24,6 +24,8 @@ from vlm import ConceptMoEConfig, ConceptMoEForCausalLM
         (dict(concept_loop_layers=5), "concept_loop_layers"),
         (dict(ratio_loss_weight=-0.1), "ratio_loss_weight"),
         (dict(ffn="conv"), "ffn"),
+        (dict(chunking="none", concept_d_model=96), "concept_d_model"),
+        (dict(head_dim=5), "head_dim"),
     ],
 )
 def test_invalid_values_raise_naming_the_field(overrides, field):
@@ -71,6 +73,9 @@ def test_concept_schedule_loops_the_middle_layers():
 )
 def test_save_pretrained_round_trip_gives_identical_logits(tmp_path, preset, extra):
     model = ConceptMoEForCausalLM(ConceptMoEConfig.from_preset(preset, **extra)).eval()
+    with torch.no_grad():  # move every weight off its init value: re-initialising on load would now show
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
     model.save_pretrained(tmp_path)
     assert (tmp_path / "model.safetensors").exists()
     assert AutoConfig.from_pretrained(tmp_path).model_type == "conceptmoe"
@@ -87,3 +92,11 @@ def test_router_starts_at_identity_by_default():
     assert torch.equal(model.model.chunker.q_proj.weight, torch.eye(64))
     random = ConceptMoEForCausalLM(ConceptMoEConfig.from_preset("tiny", router_init="random"))
     assert not torch.equal(random.model.chunker.q_proj.weight, torch.eye(64))
+
+
+def test_moe_top_k_never_becomes_the_sampling_top_k(tmp_path):
+    config = ConceptMoEConfig.from_preset("tiny")
+    assert config.top_k == 2 and config.to_dict()["num_experts_per_tok"] == 2 and "top_k" not in config.to_dict()
+    assert GenerationConfig.from_model_config(config).top_k != 2
+    config.save_pretrained(tmp_path)
+    assert ConceptMoEConfig.from_pretrained(tmp_path).top_k == 2

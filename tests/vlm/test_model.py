@@ -39,9 +39,10 @@ def test_causality_future_tokens_never_change_past_logits(chunking, merge):
             assert not torch.allclose(logits[:, t + 1 :], base.logits[:, t + 1 :], atol=1e-3)
 
 
-@pytest.mark.parametrize("extra", [{}, {"concept_loop": 2, "concept_loop_layers": 1}])
-def test_none_mode_is_a_plain_moe_transformer(extra):
-    model = tiny_model("none", **extra)
+@pytest.mark.parametrize("preset,extra", [("tiny", {}), ("tiny-moe", {}), ("tiny", {"concept_loop": 2})])
+def test_none_mode_is_a_plain_moe_transformer(preset, extra):
+    torch.manual_seed(0)
+    model = ConceptMoEForCausalLM(ConceptMoEConfig.from_preset(preset, chunking="none", **extra)).eval()
     assert not hasattr(model.model, "chunker") and not hasattr(model.model, "concept_norm")
     ids = torch.randint(0, 512, (2, 12))
     doc = torch.tensor([[0] * 5 + [1] * 7, [0] * 12])
@@ -72,9 +73,9 @@ def test_packed_documents_equal_each_document_alone(chunking, merge):
     assert torch.allclose(by_positions, alone, atol=1e-5)
 
 
-@pytest.mark.parametrize("chunking", ["dynamic", "none"])
-def test_padding_is_invisible(chunking):
-    model = tiny_model(chunking)
+@pytest.mark.parametrize("chunking,merge", MODES)
+def test_padding_is_invisible(chunking, merge):
+    model = tiny_model(chunking, merge)
     torch.manual_seed(3)
     short, long = torch.randint(0, 512, (1, 9)), torch.randint(0, 512, (1, 15))
     right = torch.cat([short, torch.zeros(1, 6, dtype=torch.long)], dim=1)
@@ -144,3 +145,36 @@ def test_loss_is_the_weighted_sum_of_its_terms():
     assert torch.allclose(out.loss, expected)
     logits = out.logits[:, :-1].reshape(-1, cfg.vocab_size)
     assert torch.allclose(aux["lm_loss"], torch.nn.functional.cross_entropy(logits, ids[:, 1:].reshape(-1)))
+
+
+@pytest.mark.parametrize("merge", ["sum", "last"])
+def test_causality_in_training_mode_with_noise(merge):
+    """Boundary noise is sampled per position: with the same seed, the past sees the same boundaries."""
+    model = tiny_model("dynamic", merge).train()
+    ids = torch.randint(0, 512, (2, 40))
+    changed = ids.clone()
+    changed[:, 21:] = torch.randint(0, 512, (2, 19))
+    with torch.no_grad():
+        torch.manual_seed(5)
+        base = model(ids)
+        torch.manual_seed(5)
+        other = model(changed)
+    assert base.chunk_stats["flip_rate"] > 0
+    assert torch.allclose(base.logits[:, :21], other.logits[:, :21], atol=1e-5)
+
+
+def test_reused_document_ids_are_still_separate_documents():
+    model = tiny_model("dynamic")
+    a, b, c = (torch.randint(0, 512, (1, 8)) for _ in range(3))
+    with torch.no_grad():
+        packed = model(torch.cat([a, b, c], 1), doc_ids=torch.tensor([[0] * 8 + [1] * 8 + [0] * 8])).logits
+        assert torch.allclose(packed[:, 16:], model(c).logits, atol=1e-5)
+
+
+def test_batch_without_labels_or_tokens_gives_finite_loss():
+    model = tiny_model("dynamic").train()
+    ids = torch.randint(0, 512, (2, 16))
+    out = model(ids, labels=torch.full_like(ids, -100), attention_mask=torch.zeros_like(ids))
+    assert torch.isfinite(out.loss) and out.aux["lm_loss"].item() == 0.0
+    out.loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

@@ -34,10 +34,16 @@ def test_grouped_matmul_and_expert_loop_agree():
     moe = _moe(experts=8, k=3)
     x = torch.randn(50, 16)
     assert moe.grouped_mm_ok, "this torch has F.grouped_mm on CPU: the fast path must be the one tested"
-    y_grouped, _ = moe(x)
-    moe.grouped_mm_ok = False
-    y_loop, _ = moe(x)
-    assert torch.allclose(y_grouped, y_loop, atol=1e-6)
+    weights = torch.randn(50, 16)
+    results = []
+    for grouped in (True, False):
+        moe.zero_grad()
+        moe.grouped_mm_ok = grouped
+        y, _ = moe(x)
+        (y * weights).sum().backward()
+        results.append((y, moe.w_gate_up.grad.clone(), moe.w_down.grad.clone(), moe.router.weight.grad.clone()))
+    for a, b in zip(*results):
+        assert torch.allclose(a, b, atol=1e-6)
 
 
 def test_dispatch_with_unused_experts_and_empty_input():
@@ -46,6 +52,8 @@ def test_dispatch_with_unused_experts_and_empty_input():
     assert (stats.tokens_per_expert_E == 0).sum() >= 13
     y0, _ = moe(torch.zeros(0, 16))
     assert y0.shape == (0, 16)
+    y0.sum().backward()  # ZeRO / DDP expect every parameter to get a gradient, even from an all-padding batch
+    assert moe.w_gate_up.grad is not None and moe.w_down.grad is not None
 
 
 def test_load_balancing_loss_is_e_sum_f_p():
