@@ -92,23 +92,26 @@ class MoE(nn.Module):
             weight_TK = weight_TK / weight_TK.sum(dim=-1, keepdim=True)
         return logits_TE, probs_TE, weight_TK, expert_idx_TK
 
-    def expert_ffn(self, x_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        """SwiGLU of every row with its expert's weights; rows come sorted by expert, ``counts_E`` per expert.
+    def expert_ffn(self, x_SD: torch.Tensor, weight_S: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """weight_s · SwiGLU_e(x_s) for rows sorted by expert (``counts_E`` rows per expert).
 
         One grouped matmul per weight where PyTorch has one for this device/dtype, else a loop over
-        experts (never over tokens). The loop unbinds the stacked weights once: indexing w[e] per expert
-        would make autograd materialise E full-size weight gradients.
+        experts (never over tokens). The routing weight scales the F-wide hidden state rather than the
+        D-wide output (same result, less memory traffic). The loop unbinds the stacked weights once:
+        indexing w[e] per expert would make autograd materialise E full-size weight gradients.
         """
+        weight_S1 = weight_S[:, None].to(x_SD.dtype)
         if self.grouped_mm_ok and grouped_mm_supported(x_SD.device, x_SD.dtype):
             offs = torch.cumsum(counts_E, 0).to(torch.int32)
             gate, up = F.grouped_mm(x_SD, self.w_gate_up, offs=offs).chunk(2, dim=-1)
-            return F.grouped_mm(F.silu(gate) * up, self.w_down, offs=offs)
+            return F.grouped_mm(F.silu(gate) * (up * weight_S1), self.w_down, offs=offs)
         outs = []
         w_gate_up, w_down = self.w_gate_up.unbind(0), self.w_down.unbind(0)
-        for e, x_ED in enumerate(torch.split(x_SD, counts_E.tolist())):
+        counts = counts_E.tolist()
+        for e, (x_ED, w_E1) in enumerate(zip(torch.split(x_SD, counts), torch.split(weight_S1, counts))):
             if x_ED.shape[0] > 0:
                 gate, up = (x_ED @ w_gate_up[e]).chunk(2, dim=-1)
-                outs.append((F.silu(gate) * up) @ w_down[e])
+                outs.append((F.silu(gate) * (up * w_E1)) @ w_down[e])
         return torch.cat(outs)
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
@@ -116,15 +119,14 @@ class MoE(nn.Module):
         t, k = expert_idx_TK.shape
         flat_expert_S = expert_idx_TK.reshape(-1)
         counts_E = torch.bincount(flat_expert_S, minlength=self.num_experts)
-        # an empty input (a fully padded batch) still gives the experts a (zero) gradient, as ZeRO expects
-        y_TD = torch.zeros_like(x_TD) + 0.0 * (self.w_gate_up.sum() + self.w_down.sum()).to(x_TD.dtype)
-        if t > 0:  # dropless grouped dispatch: sort (token, expert) pairs by expert
+        y_TD = self.shared(x_TD) if self.shared is not None else torch.zeros_like(x_TD)
+        if t > 0:  # dropless grouped dispatch: sort (token, expert) pairs by expert, add back per token
             order_S = torch.argsort(flat_expert_S, stable=True)
             token_S = order_S // k
-            y_SD = self.expert_ffn(x_TD[token_S], counts_E)
-            y_TD = y_TD.index_add(0, token_S, y_SD * weight_TK.reshape(-1)[order_S, None].to(x_TD.dtype))
-        if self.shared is not None:
-            y_TD = y_TD + self.shared(x_TD)
+            y_SD = self.expert_ffn(x_TD.index_select(0, token_S), weight_TK.reshape(-1)[order_S], counts_E)
+            y_TD = y_TD.index_add(0, token_S, y_SD)
+        else:  # a fully padded batch: still give every expert a (zero) gradient, as DDP / ZeRO expect
+            y_TD = y_TD + 0.0 * (self.w_gate_up.sum() + self.w_down.sum()).to(x_TD.dtype)
         stats = RouterStats(
             balance_loss=load_balancing_loss(probs_TE, expert_idx_TK),
             z_loss=router_z_loss(logits_TE),
