@@ -23,22 +23,29 @@ from vlm.layers import SwiGLU
 from vlm.moe import MoE
 
 
-def time_fwd_bwd(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
+def interleaved_medians(steps: dict, repeats: int) -> dict:
+    """Median seconds per step of each callable, timed round-robin (one warm-up each first).
+
+    Interleaving matters on a shared machine: clock and load drift hit every candidate alike instead
+    of whichever happened to run during a slow spell.
+    """
+    for step in steps.values():
+        step()
+    times = {name: [] for name in steps}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
-def model_step(config: ConceptMoEConfig, seq_len: int, repeats: int, doc_len: int | None) -> tuple[float, float]:
+def model_step(config: ConceptMoEConfig, seq_len: int, doc_len: int | None, stats: dict):
+    """A forward + backward closure for a fresh model; its chunk statistics land in ``stats``."""
     torch.manual_seed(0)
     model = ConceptMoEForCausalLM(config).train()
     ids = torch.randint(0, config.vocab_size, (1, seq_len))
     doc_ids = None if doc_len is None else (torch.arange(seq_len) // doc_len)[None]
-    stats = {}
 
     def step():
         model.zero_grad(set_to_none=True)
@@ -46,27 +53,24 @@ def model_step(config: ConceptMoEConfig, seq_len: int, repeats: int, doc_len: in
         out.loss.backward()
         stats.update(out.chunk_stats)
 
-    seconds = time_fwd_bwd(step, repeats)
-    return seq_len / seconds, stats["r"]
+    return step
 
 
-def layer_step(module, d_model: int, tokens: int, repeats: int) -> float:
-    x = torch.randn(tokens, d_model, requires_grad=True)
-    grad = torch.randn(tokens, d_model)  # a dense upstream gradient, as inside a model
-
+def layer_step(module, x: torch.Tensor, grad: torch.Tensor):
     def step():
+        module.zero_grad(set_to_none=True)
         out = module(x)
         y = out[0] if isinstance(out, tuple) else out
         (y * grad).sum().backward()
 
-    return tokens / time_fwd_bwd(step, repeats)
+    return step
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="small", help="ConceptMoE preset; its baseline is <preset>-moe")
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds per model (median)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     args = parser.parse_args()
     if args.threads:
@@ -83,12 +87,16 @@ def main() -> None:
         print("| seq len | MoE tok/s | ConceptMoE fixed R=2 tok/s | ratio | ConceptMoE dynamic tok/s | R | ratio |")
         print("|---|---|---|---|---|---|---|")
         for n in args.seq_lens:
-            base_tps, _ = model_step(base, n, args.repeats, doc_len)
-            fix_tps, _ = model_step(fixed, n, args.repeats, doc_len)
-            dyn_tps, dyn_r = model_step(cmoe, n, args.repeats, doc_len)
+            dyn_stats = {}
+            steps = {
+                "base": model_step(base, n, doc_len, {}),
+                "fixed": model_step(fixed, n, doc_len, {}),
+                "dynamic": model_step(cmoe, n, doc_len, dyn_stats),
+            }
+            tps = {name: n / sec for name, sec in interleaved_medians(steps, args.repeats).items()}
             print(
-                f"| {n} | {base_tps:,.0f} | {fix_tps:,.0f} | {fix_tps / base_tps:.2f}x "
-                f"| {dyn_tps:,.0f} | {dyn_r:.2f} | {dyn_tps / base_tps:.2f}x |",
+                f"| {n} | {tps['base']:,.0f} | {tps['fixed']:,.0f} | {tps['fixed'] / tps['base']:.2f}x "
+                f"| {tps['dynamic']:,.0f} | {dyn_stats['r']:.2f} | {tps['dynamic'] / tps['base']:.2f}x |",
                 flush=True,
             )
 
@@ -99,8 +107,11 @@ def main() -> None:
     for w in (moe.w_gate_up, moe.w_down):
         torch.nn.init.normal_(w, std=0.02)
     dense = SwiGLU(d, (k + s) * f)  # same active FLOPs as the MoE (router excluded)
-    layer_repeats = max(args.repeats, 7)  # cheap: more repeats for a stable median
-    moe_tps, dense_tps = layer_step(moe, d, tokens, layer_repeats), layer_step(dense, d, tokens, layer_repeats)
+    x = torch.randn(tokens, d, requires_grad=True)
+    grad = torch.randn(tokens, d)  # a dense upstream gradient, as inside a model
+    steps = {"moe": layer_step(moe, x, grad), "dense": layer_step(dense, x, grad)}
+    sec = interleaved_medians(steps, max(args.repeats, 15))  # cheap: more rounds for a stable median
+    moe_tps, dense_tps = tokens / sec["moe"], tokens / sec["dense"]
     print(f"\n| layer ({tokens} tokens, d={d}) | tok/s | ratio |")
     print("|---|---|---|")
     print(f"| dense SwiGLU, hidden {(k + s) * f} | {dense_tps:,.0f} | 1.00x |")
