@@ -30,33 +30,11 @@ import math
 from dataclasses import dataclass
 
 from vlm.config import ConceptMoEConfig
+from vlm.presets import PAPER_SCALE_MOE
 
 logger = logging.getLogger(__name__)
 
 TOLERANCE = 0.02
-
-# [I] A paper-scale baseline in the spirit of MoE-A0.5B-12B (SPEC §6/§7: L_E = L_D = 4, top-8; the paper
-# does not give widths, expert counts, GQA or vocabulary). 24 layers (4 + 16 + 4), d = 1536, 12 heads of
-# 128 with 4 KV heads, 256 fine-grained experts of width 384, top-8, no shared expert, 128K vocabulary:
-# 11.4B total, 0.50B active without embeddings / LM head (0.89B with them). With top-8, total / active
-# expert params is E / 8, so 12B / 0.5B needs about 250+ experts; 64-128 would give ~6B or ~1B active.
-# Used for accounting only (never instantiated).
-PAPER_SCALE_MOE = dict(
-    vocab_size=128000,
-    d_model=1536,
-    n_heads=12,
-    n_kv_heads=4,
-    encoder_layers=4,
-    concept_layers=16,
-    decoder_layers=4,
-    num_experts=256,
-    top_k=8,
-    expert_dim=384,
-    shared_experts=0,
-    chunking="none",
-    target_r=1.0,
-    max_position_embeddings=32768,
-)
 
 
 # ----------------------------------------------------------------------------- plain view of a config

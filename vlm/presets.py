@@ -46,6 +46,29 @@ SMALL_MOE = dict(
     max_position_embeddings=8192,
 )
 
+# [I] A paper-scale baseline in the spirit of MoE-A0.5B-12B (SPEC §6/§7: L_E = L_D = 4, top-8; the paper
+# does not give widths, expert counts, GQA or vocabulary). 24 layers (4 + 16 + 4), d = 1536, 12 heads of
+# 128 with 4 KV heads, 256 fine-grained experts of width 384, top-8, no shared expert, 128K vocabulary:
+# 11.4B total, 0.50B active without embeddings / LM head (0.89B with them). With top-8, total / active
+# expert params is E / 8, so 12B / 0.5B needs about 250+ experts; 64-128 would give ~6B or ~1B active.
+# For accounting only (`python -m vlm.flops`): not in PRESETS, never instantiated by the project.
+PAPER_SCALE_MOE = dict(
+    vocab_size=128000,
+    d_model=1536,
+    n_heads=12,
+    n_kv_heads=4,
+    encoder_layers=4,
+    concept_layers=16,
+    decoder_layers=4,
+    num_experts=256,
+    top_k=8,
+    expert_dim=384,
+    shared_experts=0,
+    chunking="none",
+    target_r=1.0,
+    max_position_embeddings=32768,
+)
+
 CHUNKED = dict(chunking="dynamic", target_r=2.0, ratio_loss_weight=0.3, noise_tau=6.0, merge="sum")
 
 PRESETS: dict[str, dict] = {

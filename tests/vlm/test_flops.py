@@ -11,8 +11,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from vlm import ConceptMoEConfig, ConceptMoEForCausalLM
-from vlm.flops import PAPER_SCALE_MOE, count, format_table, match, match_report
+from vlm.flops import count, format_table, match, match_report
 from vlm.moe import MoE
+from vlm.presets import PAPER_SCALE_MOE
 
 SMALLER = dict(  # small-moe's shape (GQA, shared expert, 2 + L_C + 2 layers) at a fraction of its size
     vocab_size=1000,
