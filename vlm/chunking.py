@@ -2,7 +2,8 @@
 
 Causality: p_n depends on ĥ_{n-1} and ĥ_n only; concept m merges the window (φ(m-1), φ(m)] that ends
 at its boundary token, so it depends on tokens <= φ(m). The first real token of every document is a
-forced boundary (p = 1), and a sum window never crosses a document start.
+forced boundary (p = 1), as is every position the caller forces (``SeqLayout.forced_BN``), and a sum
+window never crosses a document start.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def fixed_boundaries(layout: SeqLayout, target_r: float) -> torch.Tensor:
     """Fixed chunking (Fig. 8 ablation): a boundary whenever floor(pos / R) changes inside a document."""
     pos = layout.pos_BN.double()
     b_BN = torch.floor(pos / target_r) != torch.floor((pos - 1.0) / target_r)
-    return (b_BN | layout.start_BN) & layout.valid_BN
+    return (b_BN | layout.forced_BN) & layout.valid_BN
 
 
 class ChunkModule(nn.Module):
@@ -93,14 +94,14 @@ class ChunkModule(nn.Module):
             pair_BND2 = torch.cat([h_BND[:, :-1], h_BND[:, 1:]], dim=-1)
             p_rest = torch.sigmoid(self.proj(pair_BND2).squeeze(-1).float())
         p_BN = F.pad(p_rest, (1, 0), value=1.0)
-        p_BN = torch.where(layout.start_BN, torch.ones_like(p_BN), p_BN)
+        p_BN = torch.where(layout.forced_BN, torch.ones_like(p_BN), p_BN)
         return p_BN * layout.valid_BN
 
     def forward(self, h_BND: torch.Tensor, layout: SeqLayout, tau: float) -> ChunkOutput:
         p_BN = self.boundary_probs(h_BND, layout)
         b_hard_BN = (p_BN >= 0.5) & layout.valid_BN  # Eq. 2's threshold, the centre of Eq. 5's noise
         if self.training and tau > 0:
-            b_BN = (sample_boundaries(p_BN, tau) | layout.start_BN) & layout.valid_BN
+            b_BN = (sample_boundaries(p_BN, tau) | layout.forced_BN) & layout.valid_BN
         else:
             b_BN = b_hard_BN
         return ChunkOutput(p_BN=p_BN, b_BN=b_BN, b_hard_BN=b_hard_BN)

@@ -72,6 +72,8 @@ class ConceptMoEConfig(PretrainedConfig):
         merge: str = "sum",
         noise_tau: float = 6.0,
         ratio_loss_weight: float = 0.03,
+        target_r_by_modality: dict | None = None,
+        ratio_loss_modality_weights: dict | None = None,
         joint_layers: int | None = None,
         joint_zero_init: bool = False,
         attention_bias: bool = False,
@@ -116,6 +118,15 @@ class ConceptMoEConfig(PretrainedConfig):
         self.merge = merge
         self.noise_tau = float(noise_tau)
         self.ratio_loss_weight = ratio_loss_weight
+        # JSON object keys are strings: keep them so, and read them with int() (modality ids)
+        self.target_r_by_modality = (
+            None if target_r_by_modality is None else {str(k): float(v) for k, v in target_r_by_modality.items()}
+        )
+        self.ratio_loss_modality_weights = (
+            None
+            if ratio_loss_modality_weights is None
+            else {str(k): float(v) for k, v in ratio_loss_modality_weights.items()}
+        )
         self.joint_layers = decoder_layers if joint_layers is None else joint_layers
         self.joint_zero_init = joint_zero_init
         self.attention_bias = attention_bias
@@ -265,6 +276,22 @@ class ConceptMoEConfig(PretrainedConfig):
         )
         need(self.noise_tau >= 0.0, "noise_tau", "must be >= 0 (0 disables boundary noise; the paper uses 6)")
         need(self.ratio_loss_weight >= 0.0, "ratio_loss_weight", "must be >= 0")
+        need(
+            self.target_r_by_modality is None
+            or (self.chunking == "dynamic" and all(r > 1.0 for r in self.target_r_by_modality.values())),
+            "target_r_by_modality",
+            "must be None or {modality id: R > 1} with chunking='dynamic'",
+        )
+        need(
+            self.ratio_loss_modality_weights is None
+            or (
+                self.target_r_by_modality is not None
+                and set(self.ratio_loss_modality_weights) <= set(self.target_r_by_modality)
+                and all(w >= 0 for w in self.ratio_loss_modality_weights.values())
+            ),
+            "ratio_loss_modality_weights",
+            "must be None or {modality id: weight >= 0} for modalities listed in target_r_by_modality",
+        )
         need(self.balance_loss_weight >= 0.0, "balance_loss_weight", "must be >= 0")
         need(self.router_z_loss_weight >= 0.0, "router_z_loss_weight", "must be >= 0")
         need(

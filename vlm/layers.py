@@ -35,6 +35,11 @@ class SeqLayout:
     valid_BN: torch.Tensor  # bool: real (non-padding) positions
     start_BN: torch.Tensor  # bool: first real position of each document
     mask_B1NN: torch.Tensor | None  # bool attention mask, or None for plain causal
+    forced_BN: torch.Tensor | None = None  # bool: must-be boundaries (document starts + caller's); None = starts
+
+    def __post_init__(self):
+        if self.forced_BN is None:
+            self.forced_BN = self.start_BN
 
 
 def attention_mask(doc_BN: torch.Tensor) -> torch.Tensor:
@@ -61,10 +66,13 @@ def make_layout(
     shape: tuple[int, int],
     device: torch.device,
     pos_BN: torch.Tensor | None = None,
+    boundary_BN: torch.Tensor | None = None,
 ) -> SeqLayout:
     """Build the layout of a row batch from optional document ids / padding mask / positions.
 
     Padding positions get document id -1 so that they never attend to, or are attended by, real tokens.
+    ``boundary_BN`` marks extra positions that must close a concept (e.g. the last token of every modality
+    span, so that no concept mixes text and image); document starts always are boundaries.
     """
     b, n = shape
     plain = doc_BN is None and (valid_BN is None or bool(valid_BN.all()))
@@ -82,7 +90,10 @@ def make_layout(
     if pos_BN is None:
         pos_BN = positions_in_document(doc_BN)
     mask = None if plain else attention_mask(doc_BN)
-    return SeqLayout(doc_BN=doc_BN, pos_BN=pos_BN.long(), valid_BN=valid_BN, start_BN=start_BN, mask_B1NN=mask)
+    forced_BN = start_BN if boundary_BN is None else (start_BN | boundary_BN.bool()) & valid_BN
+    return SeqLayout(
+        doc_BN=doc_BN, pos_BN=pos_BN.long(), valid_BN=valid_BN, start_BN=start_BN, mask_B1NN=mask, forced_BN=forced_BN
+    )
 
 
 def rope_cos_sin(pos_BN: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):

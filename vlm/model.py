@@ -166,6 +166,21 @@ class ConceptMoEModel(ConceptMoEPreTrainedModel):
             return _ChunkOutput(p_BN=b_BN.float(), b_BN=b_BN, b_hard_BN=b_BN)
         return self.chunker(h_BND, layout, self.config.noise_tau)
 
+    def ratio_objective(self, chunk: _ChunkOutput, layout: SeqLayout, modality_BN) -> torch.Tensor:
+        """Eq. 4 with one global target R over all real tokens (the paper), or — the "adaptive R per
+        modality" extension — a weighted sum of Eq. 4 per modality, each with its own target."""
+        cfg = self.config
+        if cfg.target_r_by_modality is None:
+            return ratio_loss(chunk.p_BN, chunk.b_BN, layout.valid_BN, cfg.target_r)
+        if modality_BN is None:
+            modality_BN = torch.zeros_like(layout.doc_BN)
+        weights = cfg.ratio_loss_modality_weights or {}
+        total = chunk.p_BN.new_zeros(())
+        for m, target in cfg.target_r_by_modality.items():
+            in_m = layout.valid_BN & (modality_BN == int(m))
+            total = total + weights.get(m, 1.0) * ratio_loss(chunk.p_BN, chunk.b_BN, in_m, target)
+        return total
+
     def concept_forward(self, c_BMD: torch.Tensor, layout: SeqLayout):
         """Ĉ = C(C): the concept model at width d_c (with the d <-> d_c projectors of strategy 3)."""
         if hasattr(self, "concept_in"):
@@ -184,6 +199,7 @@ class ConceptMoEModel(ConceptMoEPreTrainedModel):
         position_ids=None,
         attention_mask=None,
         modality_ids=None,
+        forced_boundaries=None,
         **kwargs,
     ) -> BackboneOutput:
         if (input_ids is None) == (inputs_embeds is None):
@@ -191,7 +207,7 @@ class ConceptMoEModel(ConceptMoEPreTrainedModel):
         h_BND = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if doc_ids is None and position_ids is not None:
             doc_ids = doc_ids_from_positions(position_ids)
-        layout = make_layout(doc_ids, attention_mask, h_BND.shape[:2], h_BND.device, position_ids)
+        layout = make_layout(doc_ids, attention_mask, h_BND.shape[:2], h_BND.device, position_ids, forced_boundaries)
 
         h_BND, router_stats = self.encoder(h_BND, layout)
         chunk, aux = None, {}
@@ -206,7 +222,7 @@ class ConceptMoEModel(ConceptMoEPreTrainedModel):
             dechunked = plug_back(h_BND, ema_BMD, chunk.p_BN, chunk.b_BN)
             h_BND, dec_stats = self.decoder(dechunked.z_BND, layout, dechunked.concept_BND)
             if self.config.chunking == "dynamic":
-                aux["ratio_loss"] = ratio_loss(chunk.p_BN, chunk.b_BN, layout.valid_BN, self.config.target_r)
+                aux["ratio_loss"] = self.ratio_objective(chunk, layout, modality_ids)
         router_stats += stats + dec_stats
         if router_stats:
             aux["balance_loss"] = torch.stack([s.balance_loss for s in router_stats]).mean()
@@ -249,12 +265,15 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel):
         attention_mask=None,
         position_ids=None,
         inputs_embeds=None,
+        forced_boundaries=None,
         **kwargs,
     ) -> ConceptMoECausalLMOutput:
         """Logits for every position; with ``labels`` (aligned with the inputs, -100 = ignore) the loss.
 
         ``doc_ids`` [B, N] marks packed documents (no attention, merging or EMA across them; positions
-        restart); ``attention_mask`` marks padding (0); ``modality_ids`` only feeds ``chunk_stats``.
+        restart); ``attention_mask`` marks padding (0); ``modality_ids`` feeds ``chunk_stats`` (and the
+        per-modality ratio losses when ``target_r_by_modality`` is set); ``forced_boundaries`` [B, N] bool
+        marks tokens that must close a concept (p = b = 1 there, like a document start).
         """
         out = self.model(
             input_ids=input_ids,
@@ -263,6 +282,7 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel):
             position_ids=position_ids,
             attention_mask=attention_mask,
             modality_ids=modality_ids,
+            forced_boundaries=forced_boundaries,
         )
         logits = self.lm_head(out.last_hidden_state)
         aux = dict(out.aux)

@@ -53,6 +53,8 @@ def chunk_statistics(chunk: ChunkOutput | None, layout: SeqLayout, modality_BN: 
         "tokens_by_modality": {},
         "concepts_by_modality": {},
         "r_by_modality": {},
+        "mean_p_by_modality": {},
+        "flip_rate_by_modality": {},
     }
     for m in torch.unique(modality_BN[valid_BN]).tolist():
         in_m = (modality_BN == m) & valid_BN
@@ -60,4 +62,9 @@ def chunk_statistics(chunk: ChunkOutput | None, layout: SeqLayout, modality_BN: 
         stats["tokens_by_modality"][m] = t_m
         stats["concepts_by_modality"][m] = c_m
         stats["r_by_modality"][m] = t_m / max(c_m, 1)
+        if chunk is None:
+            stats["mean_p_by_modality"][m], stats["flip_rate_by_modality"][m] = 1.0, 0.0
+        else:
+            stats["mean_p_by_modality"][m] = float(chunk.p_BN[in_m].sum()) / max(t_m, 1)
+            stats["flip_rate_by_modality"][m] = int((chunk.b_BN != chunk.b_hard_BN)[in_m].sum()) / max(t_m, 1)
     return stats

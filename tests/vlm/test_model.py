@@ -178,3 +178,42 @@ def test_batch_without_labels_or_tokens_gives_finite_loss():
     assert torch.isfinite(out.loss) and out.aux["lm_loss"].item() == 0.0
     out.loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_forced_boundaries_close_concepts_without_splitting_documents():
+    model = tiny_model("dynamic", router_init="identity")
+    ids = torch.randint(0, 512, (1, 30))
+    forced = torch.zeros(1, 30, dtype=torch.bool)
+    forced[0, [4, 11, 12, 29]] = True
+    with torch.no_grad():
+        plain = model.model(ids)
+        out = model.model(ids, forced_boundaries=forced)
+    assert out.chunk.b_BN[forced].all() and (out.chunk.p_BN[forced] == 1).all()
+    unforced = ~forced
+    assert torch.equal(out.chunk.b_BN[unforced], plain.chunk.b_BN[unforced])  # nothing else moves
+    assert out.chunk_stats["concepts"] >= plain.chunk_stats["concepts"]
+
+
+def test_per_modality_target_r_is_a_weighted_sum_of_eq4():
+    from vlm.chunking import ratio_loss
+
+    torch.manual_seed(0)
+    config = ConceptMoEConfig.from_preset(
+        "tiny", target_r_by_modality={0: 1.5, 1: 4.0}, ratio_loss_modality_weights={1: 2.0}
+    )
+    assert config.target_r_by_modality == {"0": 1.5, "1": 4.0}  # JSON-safe keys
+    model = ConceptMoEForCausalLM(config).eval()
+    ids = torch.randint(0, 512, (2, 24))
+    modality = (torch.arange(24) >= 10).long().expand(2, -1)
+    with torch.no_grad():
+        inner = model.model(ids, modality_ids=modality)
+    p, b = inner.chunk.p_BN, inner.chunk.b_BN
+    valid = torch.ones_like(b)
+    expected = ratio_loss(p, b, valid & (modality == 0), 1.5) + 2.0 * ratio_loss(p, b, valid & (modality == 1), 4.0)
+    assert torch.allclose(inner.aux["ratio_loss"], expected)
+    stats = inner.chunk_stats
+    for m in (0, 1):
+        in_m = modality == m
+        assert stats["mean_p_by_modality"][m] == pytest.approx(p[in_m].mean().item(), rel=1e-5)
+    with pytest.raises(ValueError, match="target_r_by_modality"):
+        ConceptMoEConfig.from_preset("tiny", target_r_by_modality={1: 1.0})
