@@ -1,0 +1,171 @@
+"""ConceptMoEVLM: image slots, interleaved causality, gradients, per-modality R, HF round trips, training."""
+
+import random
+
+import pytest
+import torch
+from conftest import captioned_image
+from PIL import Image
+from transformers import AutoConfig, AutoModelForImageTextToText
+
+from vision_tower import ImageProcessor
+from vlm import ConceptMoEForCausalLM, ConceptMoEVLM, ConceptMoEVLMConfig, VLMProcessor
+
+
+@pytest.fixture()
+def processor(hf_tokenizer):
+    return VLMProcessor(hf_tokenizer, ImageProcessor(patch_size=16, max_patches=64, merge=2))
+
+
+def make_vlm(processor, seed=0, **overrides):
+    torch.manual_seed(seed)
+    overrides.setdefault("router_init", "random")
+    return ConceptMoEVLM.from_preset("tiny", image_token_id=processor.image_token_id, max_patches=64, **overrides)
+
+
+def images(n, seed=0):
+    rng = random.Random(seed)
+    return [captioned_image(rng)[0] for _ in range(n)]
+
+
+def test_processor_expands_markers_into_image_slots(processor):
+    imgs = [Image.new("RGB", (64, 64)), Image.new("RGB", (96, 48)), Image.new("L", (300, 40))]
+    batch = processor(text=["<image> hi <image>", "no images here", "<image>"], images=[imgs[:2], [], imgs[2:]])
+    counts = batch["num_tokens"].tolist()
+    assert counts[0] == (64 // 32) * (64 // 32) and counts[1] == (48 // 32) * (96 // 32)
+    assert batch["modality_ids"].sum(1).tolist() == [counts[0] + counts[1], 0, counts[2]]
+    assert ((batch["input_ids"] == processor.image_token_id) == batch["modality_ids"].bool()).all()
+    row0 = batch["input_ids"][0, : batch["attention_mask"][0].sum()].tolist()
+    assert row0[: counts[0]] == [processor.image_token_id] * counts[0]  # first marker opens the row
+    with pytest.raises(ValueError, match="markers"):
+        processor(text=["<image> <image>"], images=[imgs[:1]])
+
+
+def test_rows_with_0_1_and_3_images_and_slots_get_their_own_image(processor):
+    model = make_vlm(processor).eval()
+    texts = ["just text, no picture", "<image> a red square", "<image> one <image> two <image> three"]
+    imgs = images(4)
+    batch = processor(text=texts, images=[[], imgs[:1], imgs[1:]])
+    with torch.no_grad():
+        embeds = model.embed(batch["input_ids"], batch["modality_ids"], batch["attention_mask"], batch["patches"],
+                             batch["patch_coord"], batch["patch_valid"], batch["grid_hw"])  # fmt: skip
+        out = model(**batch, labels=batch["input_ids"])
+        assert torch.isfinite(out.loss)
+        for i, img in enumerate(imgs):  # each image's tokens sit, in order, in its own slots
+            alone = processor.image_processor([img])
+            expected = model.image_embeddings(alone["patches"], alone["patch_coord"], alone["patch_valid"],
+                                              alone["grid_hw"])  # fmt: skip
+            start = sum(batch["num_tokens"][:i].tolist())
+            slots = embeds[batch["modality_ids"].bool()][start : start + expected.shape[0]]
+            assert torch.allclose(slots, expected, atol=1e-5)
+        for row in range(3):  # a row's logits do not depend on the other rows or their images
+            alone = processor(text=[texts[row]], images=[[[], imgs[:1], imgs[1:]][row]])
+            n = int(alone["attention_mask"].sum())
+            assert torch.allclose(model(**alone).logits[0], out.logits[row, :n], atol=1e-4)
+
+
+@pytest.mark.parametrize("modality_boundaries", [False, True])
+def test_interleaved_causality(processor, modality_boundaries):
+    model = make_vlm(processor, modality_boundaries=modality_boundaries).eval()
+    imgs = images(3, seed=1)
+    text = "the <image> shows a green circle and <image> shows something blue"
+    base = processor(text=[text], images=[imgs[:2]])
+    # the vision tower sees a whole image at once, so causality holds at image granularity: nothing before
+    # the second image's first slot may change when that image's pixels or the text after it change
+    slots = (base["modality_ids"][0] == 1).nonzero().flatten()
+    cut = int(slots[-base["num_tokens"][1]]) - 1
+    changed = processor(text=["the <image> shows a green circle and <image> shows a red square!!"], images=[
+        [imgs[0], imgs[2].resize(imgs[1].size)]])  # fmt: skip
+    assert torch.equal(changed["modality_ids"][:, : cut + 1], base["modality_ids"][:, : cut + 1])
+    with torch.no_grad():
+        a, b = model(**base).logits, model(**changed).logits
+    assert torch.allclose(a[:, : cut + 1], b[:, : cut + 1], atol=1e-5)
+    n = min(a.shape[1], b.shape[1])
+    assert not torch.allclose(a[:, cut + 1 : n], b[:, cut + 1 : n], atol=1e-4)  # the future did change
+
+
+def test_gradients_reach_vision_tower_projector_and_router(processor):
+    model = make_vlm(processor).train()
+    batch = processor(text=["<image> a blue circle on the left.", "<image> <image> two"], images=[images(1),
+                      images(2, seed=3)])  # fmt: skip
+    model(**batch, labels=batch["input_ids"]).loss.backward()
+    for name, module in [("vision tower", model.vision_tower), ("projector", model.projector),
+                         ("router", model.language_model.model.chunker)]:  # fmt: skip
+        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        assert grads and sum(g.abs().sum() for g in grads) > 0, name
+
+
+def test_per_modality_identity_and_single_modality_concepts(processor):
+    batch = processor(text=["<image> a red square <image> and more text here"], images=[images(2, seed=4)])
+    for modality_boundaries in (False, True):
+        model = make_vlm(processor, modality_boundaries=modality_boundaries).eval()
+        with torch.no_grad():
+            stats = model(**batch).chunk_stats
+            assert set(stats["r_by_modality"]) == {0, 1}
+            assert sum(stats["concepts_by_modality"].values()) == stats["concepts"]
+            assert sum(stats["tokens_by_modality"].values()) == stats["tokens"]
+    # with modality_boundaries every concept's merge window holds a single modality
+    mod = batch["modality_ids"][0]
+    embeds = model.embed(batch["input_ids"], batch["modality_ids"], None, batch["patches"], batch["patch_coord"],
+                         batch["patch_valid"], batch["grid_hw"])  # fmt: skip
+    from vlm.vlm_model import modality_span_ends
+
+    forced = modality_span_ends(batch["modality_ids"], torch.ones_like(mod, dtype=torch.bool)[None])
+    with torch.no_grad():
+        b = model.language_model.model(inputs_embeds=embeds, forced_boundaries=forced).chunk.b_BN[0]
+    start = 0
+    for end in b.nonzero().flatten().tolist():
+        assert len(set(mod[start : end + 1].tolist())) == 1, (start, end)
+        start = end + 1
+
+
+def test_save_and_load_with_auto_classes(tmp_path, processor):
+    model = make_vlm(processor, modality_boundaries=True).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    model.save_pretrained(tmp_path)
+    processor.save_pretrained(tmp_path)
+    assert AutoConfig.from_pretrained(tmp_path).model_type == "conceptmoe_vlm"
+    loaded = AutoModelForImageTextToText.from_pretrained(tmp_path).eval()
+    proc2 = VLMProcessor.from_pretrained(tmp_path)
+    assert isinstance(loaded, ConceptMoEVLM) and proc2.image_token_id == processor.image_token_id
+    batch = proc2(text=["<image> a yellow square"], images=[images(1)])
+    with torch.no_grad():
+        assert torch.equal(model(**batch).logits, loaded(**batch).logits)
+
+
+def test_init_from_text_checkpoint_and_freezing(tmp_path, processor):
+    torch.manual_seed(0)
+    text_model = ConceptMoEForCausalLM(ConceptMoEVLMConfig.from_preset("tiny", vocab_size=320).text_config).eval()
+    text_model.save_pretrained(tmp_path)
+    vlm = ConceptMoEVLM.from_text_model(str(tmp_path), freeze_vision=True, max_patches=64).eval()
+    assert vlm.config.image_token_id == 320 and vlm.config.text_config.vocab_size == 321  # one new token row
+    ids = torch.randint(0, 320, (2, 20))
+    with torch.no_grad():
+        assert torch.allclose(vlm(ids).logits[..., :320], text_model(ids).logits, atol=1e-6)
+    assert not any(p.requires_grad for p in vlm.vision_tower.parameters())
+    assert all(p.requires_grad for p in vlm.language_model.parameters())
+    frozen = ConceptMoEVLM.from_text_model(text_model, freeze_backbone=True, max_patches=64)
+    assert not any(p.requires_grad for p in frozen.language_model.parameters())
+    assert all(p.requires_grad for p in frozen.projector.parameters())
+
+
+def test_short_training_on_captioned_images_loss_falls_and_reports_both_r(processor):
+    model = make_vlm(processor, seed=0, router_init="identity").train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    rng = random.Random(0)
+    history = []
+    for _ in range(60):
+        pairs = [captioned_image(rng) for _ in range(8)]
+        batch = processor(text=[f"<image> {cap}" for _, cap in pairs], images=[[img] for img, _ in pairs])
+        out = model(**batch, labels=batch["input_ids"])
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        history.append((out.aux["lm_loss"].item(), out.chunk_stats["r_by_modality"]))
+    first = sum(h[0] for h in history[:5]) / 5
+    last = sum(h[0] for h in history[-10:]) / 10
+    assert last < first - 1.0, (first, last)
+    assert all({0, 1} <= set(h[1]) for h in history)
+    assert all(1.0 <= h[1][1] <= 64 and 1.0 <= h[1][0] <= 64 for h in history)

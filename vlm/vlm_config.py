@@ -1,0 +1,102 @@
+"""Configuration of :class:`vlm.ConceptMoEVLM`: a ConceptMoE backbone (``text_config``) plus a vision tower."""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+from vlm.config import ConceptMoEConfig
+
+# Vision towers per preset: random-init NaFlexViTs small enough for CPU tests and demos.
+VISION_PRESETS = {
+    "tiny": dict(vision_embed_dim=64, vision_depth=2, vision_heads=2),
+    "small": dict(vision_embed_dim=192, vision_depth=4, vision_heads=3),
+}
+
+
+class ConceptMoEVLMConfig(PretrainedConfig):
+    """Backbone config + vision tower (timm), projector and how images enter the token sequence.
+
+    Images become ``num_tokens`` slots each (patch grid / ``merge``²) in the token rows; the slots hold
+    ``image_token_id`` and ``modality_ids == 1``. ``modality_boundaries`` forces a concept boundary on
+    the last token of every modality span, so that no concept mixes text and image tokens (causal: the
+    layout of a sequence — where its images are — is known before their content).
+    """
+
+    model_type = "conceptmoe_vlm"
+    sub_configs_defaults = {"text_config": ConceptMoEConfig}
+
+    def __init__(
+        self,
+        text_config: ConceptMoEConfig | dict | None = None,
+        vision_model: str = "naflexvit_base_patch16_gap",
+        vision_embed_dim: int = 64,
+        vision_depth: int = 2,
+        vision_heads: int = 2,
+        patch_size: int = 16,
+        vision_pos_embed: str | None = None,
+        vision_weights: str | None = None,
+        vision_pretrained: bool = False,
+        merge: int = 2,
+        max_patches: int = 256,
+        projector_hidden: int | None = None,
+        image_token_id: int | None = None,
+        modality_boundaries: bool = False,
+        freeze_vision: bool = False,
+        freeze_backbone: bool = False,
+        **kwargs,
+    ):
+        if text_config is None:
+            text_config = ConceptMoEConfig.from_preset("tiny")
+        elif isinstance(text_config, dict):
+            text_config = ConceptMoEConfig(**{k: v for k, v in text_config.items() if k != "model_type"})
+        self.text_config = text_config
+        self.vision_model = vision_model
+        self.vision_embed_dim = vision_embed_dim
+        self.vision_depth = vision_depth
+        self.vision_heads = vision_heads
+        self.patch_size = patch_size
+        self.vision_pos_embed = vision_pos_embed
+        self.vision_weights = vision_weights
+        self.vision_pretrained = vision_pretrained
+        self.merge = merge
+        self.max_patches = max_patches
+        self.projector_hidden = projector_hidden
+        self.image_token_id = text_config.vocab_size - 1 if image_token_id is None else image_token_id
+        self.modality_boundaries = modality_boundaries
+        self.freeze_vision = freeze_vision
+        self.freeze_backbone = freeze_backbone
+        super().__init__(**kwargs)
+        self.validate_fields()
+
+    def validate_fields(self) -> None:
+        def need(ok: bool, field: str, allowed: str) -> None:
+            if not ok:
+                raise ValueError(f"ConceptMoEVLMConfig.{field}={getattr(self, field)!r} is invalid: {allowed}")
+
+        vocab = self.text_config.vocab_size
+        need(0 <= self.image_token_id < vocab, "image_token_id", f"must be in [0, text_config.vocab_size={vocab})")
+        need(self.merge in (1, 2), "merge", "allowed values are 1 (no merge) and 2 (2x2 pixel shuffle)")
+        need(self.max_patches >= self.merge**2, "max_patches", f"must be >= merge**2 = {self.merge**2}")
+        for field in ("vision_embed_dim", "vision_depth", "vision_heads", "patch_size"):
+            need(isinstance(getattr(self, field), int) and getattr(self, field) >= 1, field, "must be an int >= 1")
+        need(self.vision_embed_dim % self.vision_heads == 0, "vision_embed_dim", "must be divisible by vision_heads")
+        need(
+            self.vision_model.startswith(("naflexvit", "vit_")),
+            "vision_model",
+            "must name a timm NaFlexViT ('naflexvit_*') or ViT ('vit_*') model",
+        )
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> ConceptMoEVLMConfig:
+        """``tiny`` / ``small`` (and ``-moe`` baselines): the backbone preset plus a matching vision tower.
+
+        ``overrides`` may hold VLM fields and backbone fields (the latter go to ``text_config``).
+        """
+        base = name.removesuffix("-moe")
+        if base not in VISION_PRESETS:
+            raise ValueError(f"unknown VLM preset {name!r}; allowed values are tiny, small, tiny-moe, small-moe")
+        vlm_fields = set(cls.__init__.__code__.co_varnames) - {"self", "text_config", "kwargs"}
+        text_overrides = {k: v for k, v in overrides.items() if k not in vlm_fields}
+        vlm_overrides = {k: v for k, v in overrides.items() if k in vlm_fields}
+        text_config = ConceptMoEConfig.from_preset(name, **text_overrides)
+        return cls(text_config=text_config, **{**VISION_PRESETS[base], **vlm_overrides})

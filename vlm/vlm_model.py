@@ -1,0 +1,166 @@
+"""ConceptMoE vision-language model: vision tower -> projector -> image slots in the token rows -> backbone.
+
+The whole interleaved sequence (text and image tokens) goes through encoder, chunker and concept model as
+one flat sequence, as in the paper (§4.2); a single global target R holds over all tokens, and
+``chunk_stats`` reports R per modality (0 = text, 1 = image).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers import initialization as init
+
+from vision_tower import Projector, VisionTower, pixel_shuffle_merge
+from vlm.model import ConceptMoEForCausalLM
+from vlm.outputs import ConceptMoECausalLMOutput
+from vlm.vlm_config import ConceptMoEVLMConfig
+
+TEXT, IMAGE = 0, 1
+
+
+def modality_span_ends(modality_BN: torch.Tensor, valid_BN: torch.Tensor) -> torch.Tensor:
+    """The last token of every modality span: forcing a boundary there keeps every concept single-modality."""
+    ends_BN = torch.zeros_like(valid_BN)
+    ends_BN[:, :-1] = (modality_BN[:, :-1] != modality_BN[:, 1:]) & valid_BN[:, 1:]
+    return ends_BN & valid_BN
+
+
+class ConceptMoEVLM(PreTrainedModel):
+    config_class = ConceptMoEVLMConfig
+    base_model_prefix = ""
+    _no_split_modules = ["Block"]
+
+    def __init__(self, config: ConceptMoEVLMConfig):
+        super().__init__(config)
+        self.vision_tower = VisionTower(
+            model_name=config.vision_model,
+            embed_dim=config.vision_embed_dim,
+            depth=config.vision_depth,
+            num_heads=config.vision_heads,
+            patch_size=config.patch_size,
+            pos_embed=config.vision_pos_embed,
+            weights=config.vision_weights,
+            pretrained=config.vision_pretrained,
+        )
+        for module in self.vision_tower.modules():  # timm initialised (or loaded) it: never re-init
+            module._is_hf_initialized = True
+        d_model = config.text_config.d_model
+        self.projector = Projector(self.vision_tower.out_dim * config.merge**2, d_model, config.projector_hidden)
+        self.language_model = ConceptMoEForCausalLM(config.text_config)
+        self.post_init()
+        self.apply_freezing()
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> ConceptMoEVLM:
+        return cls(ConceptMoEVLMConfig.from_preset(name, **overrides))
+
+    @classmethod
+    def from_text_model(cls, text_model: ConceptMoEForCausalLM | str, **vlm_fields) -> ConceptMoEVLM:
+        """The paper's VLM recipe: a trained text-only backbone + a fresh vision tower and projector.
+
+        ``text_model`` is a model or a local checkpoint folder. When ``image_token_id`` (default: the text
+        vocabulary size, i.e. a new token) lies outside the vocabulary, the embeddings and LM head grow
+        by the missing rows (new rows initialised like the rest).
+        """
+        if isinstance(text_model, str):
+            text_model = ConceptMoEForCausalLM.from_pretrained(text_model)
+        text_config = text_model.config
+        image_token_id = vlm_fields.pop("image_token_id", text_config.vocab_size)
+        if image_token_id >= text_config.vocab_size:
+            text_model.resize_token_embeddings(image_token_id + 1)
+        model = cls(ConceptMoEVLMConfig(text_config=text_model.config, image_token_id=image_token_id, **vlm_fields))
+        model.language_model.load_state_dict(text_model.state_dict())
+        model.apply_freezing()
+        return model
+
+    def apply_freezing(self) -> None:
+        """``freeze_vision`` / ``freeze_backbone``: stop gradients to the tower / to the language model."""
+        self.vision_tower.requires_grad_(not self.config.freeze_vision)
+        self.language_model.requires_grad_(not self.config.freeze_backbone)
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            init.normal_(module.weight, mean=0.0, std=self.config.text_config.initializer_range)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+
+    def get_input_embeddings(self):
+        return self.language_model.get_input_embeddings()
+
+    def set_input_embeddings(self, value):
+        self.language_model.set_input_embeddings(value)
+
+    def get_output_embeddings(self):
+        return self.language_model.get_output_embeddings()
+
+    # ------------------------------------------------------------------ images -> token embeddings
+    def image_embeddings(self, patches, patch_coord, patch_valid, grid_hw) -> torch.Tensor:
+        """[sum of num_tokens over the images, d_model], images in batch order, tokens row-major."""
+        feats = self.vision_tower(patches, patch_coord, patch_valid)
+        tokens = pixel_shuffle_merge(feats.features_BLD, feats.coord_BL2, feats.valid_BL, grid_hw, self.config.merge)
+        return self.projector(tokens)
+
+    def embed(self, input_ids, modality_ids, attention_mask, patches, patch_coord, patch_valid, grid_hw):
+        """Text embeddings with every image slot (``modality_ids == 1``) replaced by its image token."""
+        embeds_BND = self.get_input_embeddings()(input_ids)
+        slots_BN = modality_ids == IMAGE
+        if attention_mask is not None:
+            slots_BN = slots_BN & attention_mask.bool()
+        n_slots = int(slots_BN.sum())
+        n_images = 0 if patches is None else patches.shape[0]
+        if n_images == 0:
+            if n_slots:
+                raise ValueError(f"input has {n_slots} image slots but no images (pass patches from VLMProcessor)")
+            return embeds_BND
+        image_ND = self.image_embeddings(patches, patch_coord, patch_valid, grid_hw).to(embeds_BND.dtype)
+        if image_ND.shape[0] != n_slots:
+            raise ValueError(
+                f"input has {n_slots} image slots but its {n_images} images give {image_ND.shape[0]} tokens: "
+                "build inputs with VLMProcessor and the same ImageProcessor settings (merge, max_patches)"
+            )
+        return embeds_BND.masked_scatter(slots_BN[..., None], image_ND)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        modality_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        patches: torch.Tensor | None = None,
+        patch_coord: torch.Tensor | None = None,
+        patch_valid: torch.Tensor | None = None,
+        grid_hw: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        **kwargs,
+    ) -> ConceptMoECausalLMOutput:
+        """Rows from :class:`vlm.VLMProcessor` (or the data pipelines): token ids with image slots, the
+        patches of every image in the batch (any number per row, any sizes), and optional labels.
+
+        Labels are ignored on image tokens and padding. ``modality_ids`` defaults to
+        ``input_ids == image_token_id``.
+        """
+        if modality_ids is None:
+            modality_ids = (input_ids == self.config.image_token_id).long()
+        embeds_BND = self.embed(input_ids, modality_ids, attention_mask, patches, patch_coord, patch_valid, grid_hw)
+        if labels is not None:
+            ignore_BN = modality_ids == IMAGE
+            if attention_mask is not None:
+                ignore_BN = ignore_BN | ~attention_mask.bool()
+            labels = labels.masked_fill(ignore_BN, -100)
+        forced_BN = None
+        if self.config.modality_boundaries:
+            valid_BN = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+            forced_BN = modality_span_ends(modality_ids, valid_BN)
+        return self.language_model(
+            inputs_embeds=embeds_BND,
+            labels=labels,
+            attention_mask=attention_mask,
+            modality_ids=modality_ids,
+            doc_ids=doc_ids,
+            position_ids=position_ids,
+            forced_boundaries=forced_BN,
+        )
