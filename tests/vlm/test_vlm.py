@@ -4,10 +4,10 @@ import random
 
 import pytest
 import torch
-from conftest import captioned_image
 from PIL import Image
 from transformers import AutoConfig, AutoModelForImageTextToText
 
+from data_pipelines.synthetic_images import captioned_image
 from vision_tower import ImageProcessor
 from vlm import ConceptMoEForCausalLM, ConceptMoEVLM, ConceptMoEVLMConfig, VLMProcessor
 
