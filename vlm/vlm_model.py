@@ -46,6 +46,10 @@ class ConceptMoEVLM(PreTrainedModel):
         )
         for module in self.vision_tower.modules():  # timm initialised (or loaded) it: never re-init
             module._is_hf_initialized = True
+        if config.vision_weights or config.vision_pretrained:
+            # the weights now live in this model: a saved checkpoint must not re-read (or re-download) them
+            config.vision_init_source = config.vision_weights or f"timm:{config.vision_model}"
+            config.vision_weights, config.vision_pretrained = None, False
         d_model = config.text_config.d_model
         self.projector = Projector(self.vision_tower.out_dim * config.merge**2, d_model, config.projector_hidden)
         self.language_model = ConceptMoEForCausalLM(config.text_config)

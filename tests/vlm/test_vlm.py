@@ -169,3 +169,20 @@ def test_short_training_on_captioned_images_loss_falls_and_reports_both_r(proces
     assert last < first - 1.0, (first, last)
     assert all({0, 1} <= set(h[1]) for h in history)
     assert all(1.0 <= h[1][1] <= 64 and 1.0 <= h[1][0] <= 64 for h in history)
+
+
+def test_vision_weights_file_is_read_once_not_on_every_load(tmp_path, processor):
+    from safetensors.torch import save_file
+
+    source = make_vlm(processor, seed=1)
+    weights = tmp_path / "tower.safetensors"
+    save_file({k: v.contiguous() for k, v in source.vision_tower.model.state_dict().items()}, str(weights))
+    model = make_vlm(processor, vision_weights=str(weights)).eval()
+    for a, b in zip(model.vision_tower.parameters(), source.vision_tower.parameters()):
+        assert torch.equal(a, b)
+    model.save_pretrained(tmp_path / "ckpt")
+    weights.unlink()  # the checkpoint holds the tower: loading must not need the original file
+    loaded = ConceptMoEVLM.from_pretrained(tmp_path / "ckpt")
+    assert loaded.config.vision_weights is None and loaded.config.vision_init_source == str(weights)
+    for a, b in zip(model.vision_tower.parameters(), loaded.vision_tower.parameters()):
+        assert torch.equal(a, b)
