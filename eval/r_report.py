@@ -389,7 +389,7 @@ def _plot_training(ax, records: Records, train: dict) -> None:
             continue
         xs, ys = zip(*points)
         tail = train[key]["mean_last_10pct"]
-        label = f"{SERIES_LABELS[key]} (last 10%: {tail:.2f})"
+        label = f"{SERIES_LABELS[key]} (last 10%: {'n/a' if tail is None else f'{tail:.2f}'})"
         color = SERIES_COLORS[key]
         if many:  # raw steps faint, a moving average on top
             ax.plot(xs, ys, color=color, lw=0.6, alpha=0.25)

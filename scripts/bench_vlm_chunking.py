@@ -47,7 +47,12 @@ def held_out(model, processor: VLMProcessor, seed: int, n_batches: int = 8) -> d
             concepts[m] += out.chunk_stats["concepts_by_modality"].get(m, 0)
     model.train()
     r = sum(tokens.values()) / max(sum(concepts.values()), 1)
-    return {"lm_loss": loss, "r": r, "r_text": tokens[0] / max(concepts[0], 1), "r_image": tokens[1] / concepts[1]}
+    return {
+        "lm_loss": loss,
+        "r": r,
+        "r_text": tokens[0] / max(concepts[0], 1),
+        "r_image": tokens[1] / max(concepts[1], 1),
+    }
 
 
 def main() -> None:

@@ -178,7 +178,8 @@ class ConceptMoEModel(ConceptMoEPreTrainedModel):
         total = chunk.p_BN.new_zeros(())
         for m, target in cfg.target_r_by_modality.items():
             in_m = layout.valid_BN & (modality_BN == int(m))
-            total = total + weights.get(m, 1.0) * ratio_loss(chunk.p_BN, chunk.b_BN, in_m, target)
+            if in_m.any():  # an absent modality would add its constant R/(R-1) and make the log jump
+                total = total + weights.get(m, 1.0) * ratio_loss(chunk.p_BN, chunk.b_BN, in_m, target)
         return total
 
     def concept_forward(self, c_BMD: torch.Tensor, layout: SeqLayout):
@@ -288,7 +289,10 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel):
         aux = dict(out.aux)
         loss = None
         if labels is not None:
-            targets = labels[:, 1:].flatten()
+            targets = labels[:, 1:]
+            if attention_mask is not None:  # never predict a token from a padding position (left padding)
+                targets = targets.masked_fill(~attention_mask[:, :-1].bool(), -100)
+            targets = targets.flatten()
             nll = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets, ignore_index=-100, reduction="sum")
             aux["lm_loss"] = nll / (targets != -100).sum().clamp_min(1)  # 0, not NaN, when nothing is labelled
             cfg = self.config

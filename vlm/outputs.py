@@ -34,7 +34,8 @@ def chunk_statistics(chunk: ChunkOutput | None, layout: SeqLayout, modality_BN: 
     """Counts behind R, overall and per modality id.
 
     A concept belongs to the modality of its boundary token (the token that closes its merge window).
-    Per modality m: R_m = tokens_m / concepts_m, so sum_m concepts_m == concepts. Counts (not ratios)
+    Per modality m: R_m = tokens_m / concepts_m, so sum_m concepts_m == concepts. Keys 0 (text) and 1
+    (image) are always present; a modality without tokens in the batch has R_m = None. Counts (not ratios)
     are returned too so that training can aggregate them exactly over micro-batches and ranks.
     ``flip_rate`` is the fraction of real tokens whose boundary decision the noise changed.
     """
@@ -56,12 +57,13 @@ def chunk_statistics(chunk: ChunkOutput | None, layout: SeqLayout, modality_BN: 
         "mean_p_by_modality": {},
         "flip_rate_by_modality": {},
     }
-    for m in torch.unique(modality_BN[valid_BN]).tolist():
+    present = torch.unique(modality_BN[valid_BN]).tolist()
+    for m in sorted(set(present) | {0, 1}):  # text (0) and image (1) always reported; R is None when absent
         in_m = (modality_BN == m) & valid_BN
         t_m, c_m = int(in_m.sum()), int((b_BN & in_m).sum())
         stats["tokens_by_modality"][m] = t_m
         stats["concepts_by_modality"][m] = c_m
-        stats["r_by_modality"][m] = t_m / max(c_m, 1)
+        stats["r_by_modality"][m] = t_m / max(c_m, 1) if t_m else None
         if chunk is None:
             stats["mean_p_by_modality"][m], stats["flip_rate_by_modality"][m] = 1.0, 0.0
         else:

@@ -13,11 +13,22 @@ import os
 from collections.abc import Sequence
 
 import torch
+from PIL import Image
 from transformers import AutoTokenizer, BatchFeature
 
 from vision_tower import ImageProcessor
 
 PROCESSOR_FILE = "vlm_processor_config.json"
+
+
+def special_affixes(tokenizer) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer's own post-processor puts before and after a text (BOS; [CLS] / [SEP]; none)."""
+    probe = tokenizer("a", add_special_tokens=False)["input_ids"]
+    full = tokenizer("a", add_special_tokens=True)["input_ids"]
+    for start in range(len(full) - len(probe) + 1):
+        if full[start : start + len(probe)] == probe:
+            return full[:start], full[start + len(probe) :]
+    return [], []
 
 
 class VLMProcessor:
@@ -29,6 +40,7 @@ class VLMProcessor:
         self.tokenizer = tokenizer
         self.image_processor = image_processor or ImageProcessor()
         self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        self.prefix_ids, self.suffix_ids = special_affixes(tokenizer)
 
     @property
     def pad_token_id(self) -> int:
@@ -39,50 +51,69 @@ class VLMProcessor:
         return 0
 
     def row(self, text: str, images: Sequence, num_tokens: list[int], add_special_tokens: bool) -> list[int]:
-        """One row: text pieces tokenised separately, each marker replaced by its image's slots."""
+        """One row: text pieces tokenised separately, each marker replaced by its image's slots, wrapped in the
+        tokenizer's own special tokens (its post-processor's, e.g. BOS, or [CLS] ... [SEP])."""
         pieces = text.split(self.image_token)
         if len(pieces) - 1 != len(images):
             raise ValueError(
                 f"text has {len(pieces) - 1} {self.image_token} markers but {len(images)} images: {text[:80]!r}"
             )
-        ids = []
-        if add_special_tokens and self.tokenizer.bos_token_id is not None:
-            ids.append(self.tokenizer.bos_token_id)
+        ids = list(self.prefix_ids) if add_special_tokens else []
         for i, piece in enumerate(pieces):
             if piece:
                 ids += self.tokenizer(piece, add_special_tokens=False)["input_ids"]
             if i < len(images):
                 ids += [self.image_token_id] * num_tokens[i]
-        return ids
+        return ids + (list(self.suffix_ids) if add_special_tokens else [])
+
+    def rows_of_images(self, texts: list[str], images) -> list[list]:
+        """``images`` per row (a list of lists), or flat in marker order across the rows (HF convention)."""
+        if images is None:
+            return [[] for _ in texts]
+        if isinstance(images, Image.Image):
+            images = [images]
+        images = list(images)
+        if all(isinstance(row, (list, tuple)) for row in images):
+            if len(images) != len(texts):
+                raise ValueError(f"got {len(texts)} texts but image lists for {len(images)} rows")
+            return [list(row) for row in images]
+        markers = [t.count(self.image_token) for t in texts]
+        if sum(markers) != len(images):
+            raise ValueError(f"{len(images)} images given flat, but the texts hold {sum(markers)} {self.image_token}")
+        rows, start = [], 0
+        for n in markers:
+            rows.append(images[start : start + n])
+            start += n
+        return rows
 
     def __call__(
         self,
         text: str | Sequence[str],
         images: Sequence | None = None,
         return_tensors: str = "pt",
-        padding_side: str = "right",
+        padding: str = "longest",
+        padding_side: str | None = None,
         add_special_tokens: bool = True,
         max_length: int | None = None,
     ) -> BatchFeature:
-        """``images[i]`` is the list of images of row i (matched in order to its ``<image>`` markers).
+        """``images[i]`` is the list of images of row i (matched in order to its ``<image>`` markers), or a
+        flat list matched to the markers of all rows in order.
 
         Returns input_ids, attention_mask, modality_ids (1 on image slots), and for the images of all rows
-        in order: patches, patch_coord, patch_valid, grid_hw, num_tokens. ``max_length`` raises on longer
-        rows rather than cutting an image in half.
+        in order: patches, patch_coord, patch_valid, grid_hw, num_tokens. ``padding="max_length"`` pads to
+        ``max_length``; a longer row raises rather than cutting an image in half. ``padding_side`` defaults
+        to the tokenizer's.
         """
         if return_tensors != "pt":
             raise ValueError(f"return_tensors={return_tensors!r} is not supported; use 'pt'")
+        padding_side = padding_side or getattr(self.tokenizer, "padding_side", "right")
         if padding_side not in ("right", "left"):
             raise ValueError(f"padding_side={padding_side!r} is invalid: use 'right' or 'left'")
+        if padding not in ("longest", "max_length") or (padding == "max_length" and max_length is None):
+            raise ValueError(f"padding={padding!r} is invalid: use 'longest', or 'max_length' with max_length")
         texts = [text] if isinstance(text, str) else list(text)
-        if images is None:
-            images = [[] for _ in texts]
-        elif isinstance(text, str) and (len(images) == 0 or not isinstance(images[0], (list, tuple))):
-            images = [images]
-        if len(images) != len(texts):
-            raise ValueError(f"got {len(texts)} texts but images for {len(images)} rows")
-        flat_images = [img for row_images in images for img in row_images]
-        pixel = self.image_processor(flat_images)
+        images = self.rows_of_images(texts, images)
+        pixel = self.image_processor([img for row_images in images for img in row_images])
         counts = pixel["num_tokens"].tolist()
         rows, start = [], 0
         for row_text, row_images in zip(texts, images):
@@ -91,10 +122,11 @@ class VLMProcessor:
         longest = max(len(r) for r in rows)
         if max_length is not None and longest > max_length:
             raise ValueError(f"a row has {longest} tokens (images included), more than max_length={max_length}")
-        input_ids = torch.full((len(rows), longest), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(rows), longest), dtype=torch.long)
+        width = max_length if padding == "max_length" else longest
+        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
         for i, r in enumerate(rows):
-            span = slice(0, len(r)) if padding_side == "right" else slice(longest - len(r), longest)
+            span = slice(0, len(r)) if padding_side == "right" else slice(width - len(r), width)
             input_ids[i, span] = torch.tensor(r, dtype=torch.long)
             attention_mask[i, span] = 1
         modality_ids = ((input_ids == self.image_token_id) & attention_mask.bool()).long()

@@ -16,7 +16,7 @@ VISION_PRESETS = {
 class ConceptMoEVLMConfig(PretrainedConfig):
     """Backbone config + vision tower (timm), projector and how images enter the token sequence.
 
-    Images become ``num_tokens`` slots each (patch grid / ``merge``²) in the token rows; the slots hold
+    Images become ``num_tokens`` slots each (patch grid / ``vision_merge``²) in the token rows; the slots hold
     ``image_token_id`` and ``modality_ids == 1``. ``modality_boundaries`` forces a concept boundary on
     the last token of every modality span, so that no concept mixes text and image tokens (causal: the
     layout of a sequence — where its images are — is known before their content).
@@ -29,14 +29,14 @@ class ConceptMoEVLMConfig(PretrainedConfig):
         self,
         text_config: ConceptMoEConfig | dict | None = None,
         vision_model: str = "naflexvit_base_patch16_gap",
-        vision_embed_dim: int = 64,
-        vision_depth: int = 2,
-        vision_heads: int = 2,
-        patch_size: int = 16,
+        vision_embed_dim: int | None = 64,
+        vision_depth: int | None = 2,
+        vision_heads: int | None = 2,
+        patch_size: int | None = 16,
         vision_pos_embed: str | None = None,
         vision_weights: str | None = None,
         vision_pretrained: bool = False,
-        merge: int = 2,
+        vision_merge: int = 2,
         max_patches: int = 256,
         projector_hidden: int | None = None,
         image_token_id: int | None = None,
@@ -58,7 +58,7 @@ class ConceptMoEVLMConfig(PretrainedConfig):
         self.vision_pos_embed = vision_pos_embed
         self.vision_weights = vision_weights
         self.vision_pretrained = vision_pretrained
-        self.merge = merge
+        self.vision_merge = vision_merge
         self.max_patches = max_patches
         self.projector_hidden = projector_hidden
         self.image_token_id = text_config.vocab_size - 1 if image_token_id is None else image_token_id
@@ -75,11 +75,18 @@ class ConceptMoEVLMConfig(PretrainedConfig):
 
         vocab = self.text_config.vocab_size
         need(0 <= self.image_token_id < vocab, "image_token_id", f"must be in [0, text_config.vocab_size={vocab})")
-        need(self.merge in (1, 2), "merge", "allowed values are 1 (no merge) and 2 (2x2 pixel shuffle)")
-        need(self.max_patches >= self.merge**2, "max_patches", f"must be >= merge**2 = {self.merge**2}")
+        need(self.vision_merge in (1, 2), "vision_merge", "allowed values are 1 (no merge) and 2 (2x2 pixel shuffle)")
+        need(self.max_patches >= self.vision_merge**2, "max_patches", "must be >= vision_merge**2")
         for field in ("vision_embed_dim", "vision_depth", "vision_heads", "patch_size"):
-            need(isinstance(getattr(self, field), int) and getattr(self, field) >= 1, field, "must be an int >= 1")
-        need(self.vision_embed_dim % self.vision_heads == 0, "vision_embed_dim", "must be divisible by vision_heads")
+            value = getattr(self, field)
+            need(
+                value is None or (isinstance(value, int) and value >= 1), field, "must be None (timm's) or an int >= 1"
+            )
+        need(
+            None in (self.vision_embed_dim, self.vision_heads) or self.vision_embed_dim % self.vision_heads == 0,
+            "vision_embed_dim",
+            "must be divisible by vision_heads",
+        )
         need(
             self.vision_model.startswith(("naflexvit", "vit_")),
             "vision_model",

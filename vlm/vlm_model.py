@@ -7,6 +7,8 @@ one flat sequence, as in the paper (§4.2); a single global target R holds over 
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 from transformers import PreTrainedModel
@@ -33,6 +35,7 @@ class ConceptMoEVLM(PreTrainedModel):
     _no_split_modules = ["Block"]
 
     def __init__(self, config: ConceptMoEVLMConfig):
+        config = copy.deepcopy(config)  # __init__ records where the tower came from: never in the caller's object
         super().__init__(config)
         self.vision_tower = VisionTower(
             model_name=config.vision_model,
@@ -51,10 +54,21 @@ class ConceptMoEVLM(PreTrainedModel):
             config.vision_init_source = config.vision_weights or f"timm:{config.vision_model}"
             config.vision_weights, config.vision_pretrained = None, False
         d_model = config.text_config.d_model
-        self.projector = Projector(self.vision_tower.out_dim * config.merge**2, d_model, config.projector_hidden)
+        self.projector = Projector(self.vision_tower.out_dim * config.vision_merge**2, d_model, config.projector_hidden)
         self.language_model = ConceptMoEForCausalLM(config.text_config)
         self.post_init()
         self.apply_freezing()
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs) -> ConceptMoEVLM:
+        """HF loading, plus what loading cannot restore by itself: the freeze flags (loading swaps in new
+        parameters) and timm's non-persistent buffers (e.g. RoPE bands, left uninitialised by meta-device init)."""
+        model = super().from_pretrained(*args, **kwargs)
+        for module in model.vision_tower.modules():
+            if hasattr(module, "init_non_persistent_buffers"):
+                module.init_non_persistent_buffers()
+        model.apply_freezing()
+        return model
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> ConceptMoEVLM:
@@ -66,10 +80,14 @@ class ConceptMoEVLM(PreTrainedModel):
 
         ``text_model`` is a model or a local checkpoint folder. When ``image_token_id`` (default: the text
         vocabulary size, i.e. a new token) lies outside the vocabulary, the embeddings and LM head grow
-        by the missing rows (new rows initialised like the rest).
+        by the missing rows (new rows initialised like the rest). Pass ``image_token_id=
+        processor.image_token_id`` so that the processor's slots and the model agree. ``text_model`` itself
+        is left untouched.
         """
         if isinstance(text_model, str):
             text_model = ConceptMoEForCausalLM.from_pretrained(text_model)
+        else:
+            text_model = copy.deepcopy(text_model)
         text_config = text_model.config
         image_token_id = vlm_fields.pop("image_token_id", text_config.vocab_size)
         if image_token_id >= text_config.vocab_size:
@@ -100,11 +118,16 @@ class ConceptMoEVLM(PreTrainedModel):
     def get_output_embeddings(self):
         return self.language_model.get_output_embeddings()
 
+    def set_output_embeddings(self, value):
+        self.language_model.set_output_embeddings(value)
+
     # ------------------------------------------------------------------ images -> token embeddings
     def image_embeddings(self, patches, patch_coord, patch_valid, grid_hw) -> torch.Tensor:
         """[sum of num_tokens over the images, d_model], images in batch order, tokens row-major."""
         feats = self.vision_tower(patches, patch_coord, patch_valid)
-        tokens = pixel_shuffle_merge(feats.features_BLD, feats.coord_BL2, feats.valid_BL, grid_hw, self.config.merge)
+        tokens = pixel_shuffle_merge(
+            feats.features_BLD, feats.coord_BL2, feats.valid_BL, grid_hw, self.config.vision_merge
+        )
         return self.projector(tokens)
 
     def embed(self, input_ids, modality_ids, attention_mask, patches, patch_coord, patch_valid, grid_hw):
@@ -123,7 +146,7 @@ class ConceptMoEVLM(PreTrainedModel):
         if image_ND.shape[0] != n_slots:
             raise ValueError(
                 f"input has {n_slots} image slots but its {n_images} images give {image_ND.shape[0]} tokens: "
-                "build inputs with VLMProcessor and the same ImageProcessor settings (merge, max_patches)"
+                "build inputs with VLMProcessor and an ImageProcessor whose merge equals vision_merge"
             )
         return embeds_BND.masked_scatter(slots_BN[..., None], image_ND)
 

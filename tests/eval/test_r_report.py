@@ -246,3 +246,25 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, case):
 def test_library_raises_report_input_error_on_empty_file(tmp_path):
     with pytest.raises(ReportInputError, match="no training step or evaluation record"):
         write_report(_write_lines(tmp_path / "metrics.jsonl", []))
+
+
+def test_reads_what_the_trainer_logs_even_without_images(tmp_path):
+    """Text-only training: image R is None on every step; the report still renders, with the target line."""
+    import torch
+
+    from vlm import ConceptMoEConfig, ConceptMoEForCausalLM
+    from vlm.trainer import TrainSettings, train
+
+    torch.manual_seed(0)
+    model = ConceptMoEForCausalLM(ConceptMoEConfig.from_preset("tiny"))
+    batches = iter([{"input_ids": (ids := torch.randint(0, 512, (2, 32))), "labels": ids} for _ in range(4)])
+    history = train(model, batches, TrainSettings(steps=4, warmup=1))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(rec) + "\n" for rec in history))
+    summary = write_report(run)
+    train_summary = summary["train"]
+    assert train_summary["target_r"] == 2.0
+    assert train_summary["r_text"]["mean"] == pytest.approx(sum(h["r"] for h in history) / 4)
+    assert train_summary["r_image"]["n"] == 0
+    assert (run / "r_report.png").read_bytes().startswith(PNG_SIGNATURE)

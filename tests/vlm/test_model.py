@@ -217,3 +217,18 @@ def test_per_modality_target_r_is_a_weighted_sum_of_eq4():
         assert stats["mean_p_by_modality"][m] == pytest.approx(p[in_m].mean().item(), rel=1e-5)
     with pytest.raises(ValueError, match="target_r_by_modality"):
         ConceptMoEConfig.from_preset("tiny", target_r_by_modality={1: 1.0})
+
+
+def test_left_and_right_padding_give_the_same_loss():
+    """No target is ever predicted from a padding position, whichever side the padding is on."""
+    model = tiny_model("dynamic")
+    short, long = torch.randint(0, 512, (1, 9)), torch.randint(0, 512, (1, 15))
+    pad = torch.zeros(1, 6, dtype=torch.long)
+    real = torch.ones(1, 9, dtype=torch.long)
+    losses = []
+    for row, row_mask in ((torch.cat([short, pad], 1), torch.cat([real, pad], 1)),
+                          (torch.cat([pad, short], 1), torch.cat([pad, real], 1))):  # fmt: skip
+        ids, mask = torch.cat([row, long]), torch.cat([row_mask, torch.ones(1, 15, dtype=torch.long)])
+        with torch.no_grad():
+            losses.append(model(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).aux["lm_loss"])
+    assert torch.allclose(losses[0], losses[1], atol=1e-5)

@@ -186,3 +186,74 @@ def test_vision_weights_file_is_read_once_not_on_every_load(tmp_path, processor)
     assert loaded.config.vision_weights is None and loaded.config.vision_init_source == str(weights)
     for a, b in zip(model.vision_tower.parameters(), loaded.vision_tower.parameters()):
         assert torch.equal(a, b)
+
+
+def test_reload_keeps_freezing_and_rebuilds_timm_buffers(tmp_path, processor):
+    model = make_vlm(processor, vision_pos_embed="rope", freeze_vision=True, freeze_backbone=True).eval()
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForImageTextToText.from_pretrained(tmp_path).eval()
+    assert not any(p.requires_grad for p in loaded.vision_tower.parameters())
+    assert not any(p.requires_grad for p in loaded.language_model.parameters())
+    assert all(p.requires_grad for p in loaded.projector.parameters())
+    fresh = dict(model.vision_tower.named_buffers())
+    for name, buf in loaded.vision_tower.named_buffers():  # RoPE bands are not in the checkpoint
+        assert torch.equal(buf, fresh[name]), name
+    batch = processor(text=["<image> a red square"], images=[images(1)])
+    with torch.no_grad():
+        assert torch.equal(model(**batch).logits, loaded(**batch).logits)
+
+
+def test_building_a_model_leaves_the_callers_config_alone(tmp_path, processor):
+    from safetensors.torch import save_file
+
+    source = make_vlm(processor, seed=2)
+    weights = tmp_path / "tower.safetensors"
+    save_file({k: v.contiguous() for k, v in source.vision_tower.model.state_dict().items()}, str(weights))
+    config = ConceptMoEVLMConfig.from_preset(
+        "tiny", image_token_id=processor.image_token_id, vision_weights=str(weights)
+    )
+    first, second = ConceptMoEVLM(config), ConceptMoEVLM(config)
+    assert config.vision_weights == str(weights)
+    for a, b in zip(first.vision_tower.parameters(), second.vision_tower.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_preset_overrides_reach_the_backbone_and_vocab_can_grow(processor):
+    model = ConceptMoEVLM.from_preset("tiny", merge="last", vision_merge=1, image_token_id=processor.image_token_id)
+    assert model.config.text_config.merge == "last" and model.config.vision_merge == 1
+    model.resize_token_embeddings(600)
+    assert model.get_input_embeddings().weight.shape[0] == 600 and model.get_output_embeddings().weight.shape[0] == 600
+
+
+def test_text_only_batch_reports_both_modalities(processor):
+    model = make_vlm(processor).eval()
+    with torch.no_grad():
+        stats = model(**processor(text=["only words", "and more words"])).chunk_stats
+    assert stats["tokens_by_modality"][1] == 0 and stats["concepts_by_modality"][1] == 0
+    assert stats["r_by_modality"][1] is None and stats["r_by_modality"][0] > 0
+
+
+def test_processor_keeps_the_tokenizers_special_tokens_and_takes_flat_images(hf_tokenizer):
+    from tokenizers.processors import TemplateProcessing
+
+    from data_pipelines.bpe import train_bpe_tokenizer
+
+    tok = train_bpe_tokenizer(["a red square", "a blue circle"] * 20, vocab_size=280,
+                              special_tokens=("<pad>", "<eos>", "<unk>", "[CLS]", "[SEP]"))  # fmt: skip
+    cls_id, sep_id = tok.convert_tokens_to_ids("[CLS]"), tok.convert_tokens_to_ids("[SEP]")
+    tok.backend_tokenizer.post_processor = TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)]
+    )
+    proc = VLMProcessor(tok, ImageProcessor(max_patches=64))
+    imgs = images(3)
+    batch = proc(text=["<image> a red square", "two <image> <image>"], images=imgs, padding_side="left")
+    row0 = batch["input_ids"][0][batch["attention_mask"][0].bool()].tolist()
+    assert row0[0] == cls_id and row0[-1] == sep_id
+    per_row = proc(
+        text=["<image> a red square", "two <image> <image>"], images=[imgs[:1], imgs[1:]], padding_side="left"
+    )
+    assert torch.equal(batch["input_ids"], per_row["input_ids"]) and batch["attention_mask"][0, 0] == 0
+    padded = proc(text=["a red square"], padding="max_length", max_length=32)
+    assert padded["input_ids"].shape == (1, 32)
+    plain = VLMProcessor(hf_tokenizer)  # no post-processor: no BOS invented
+    assert plain(text=["a red square"])["input_ids"][0].tolist() == hf_tokenizer("a red square")["input_ids"]
