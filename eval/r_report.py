@@ -27,12 +27,12 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eval.r_report_plot import plot_report
+
 logger = logging.getLogger(__name__)
 
 MODALITIES = {"text": ("0", "text"), "image": ("1", "image")}  # keys accepted in the *_by_modality dicts
 SERIES = ("r", "r_text", "r_image")
-SERIES_LABELS = {"r": "total R", "r_text": "text R", "r_image": "image R"}
-SERIES_COLORS = {"r": "#333333", "r_text": "tab:blue", "r_image": "tab:orange"}
 TRAIN_SCALARS = ("loss", "lm_loss", "ratio_loss", "balance_loss", "z_loss", "tokens_per_s", "lr")
 SCORE_DICT_KEYS = ("scores", "metrics")  # per-sample dicts of metric -> value
 TAIL_FRACTION = 0.1
@@ -370,129 +370,6 @@ def summarize(records: Records, target_r: float | None = None) -> dict:
 
 # ----------------------------------------------------------------------------------------------------------------
 # Plot
-
-
-def _moving_average(ys: list[float], window: int) -> list[float]:
-    out, acc = [], 0.0
-    for i, y in enumerate(ys):
-        acc += y - (ys[i - window] if i >= window else 0.0)
-        out.append(acc / min(i + 1, window))
-    return out
-
-
-def _plot_training(ax, records: Records, train: dict) -> None:
-    """Fig. 2c of the paper: total / image / text R over optimiser steps, target R dashed."""
-    many = len(records.steps) > 200
-    for key in ("r", "r_image", "r_text"):
-        points = [(s["step"], s[key]) for s in records.steps if s[key] is not None]
-        if not points:
-            continue
-        xs, ys = zip(*points)
-        tail = train[key]["mean_last_10pct"]
-        label = f"{SERIES_LABELS[key]} (last 10%: {'n/a' if tail is None else f'{tail:.2f}'})"
-        color = SERIES_COLORS[key]
-        if many:  # raw steps faint, a moving average on top
-            ax.plot(xs, ys, color=color, lw=0.6, alpha=0.25)
-            ax.plot(xs, _moving_average(list(ys), max(2, len(ys) // 50)), color=color, lw=1.8, label=label)
-        else:
-            ax.plot(xs, ys, color=color, lw=1.6, marker="o" if len(xs) <= 30 else None, ms=3, label=label)
-    if train["target_r"] is not None:
-        ax.axhline(train["target_r"], color="gray", ls="--", lw=1.2, label=f"target R = {train['target_r']:g}")
-    ratio = train["image_to_text_r"]["mean_last_10pct"]
-    subtitle = f"\nimage R / text R = {ratio:.2f} over the last 10% of steps" if ratio is not None else ""
-    ax.set_title(f"Compression ratio over training: {records.name}{subtitle}")
-    ax.set_xlabel("optimiser step")
-    ax.set_ylabel("R = tokens / concepts")
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="best", fontsize=9)
-
-
-def _per_dataset(ev: dict) -> bool:
-    return any(len(t.get("datasets", {})) > 1 for t in ev["tasks"].values())
-
-
-def _eval_groups(ev: dict) -> list[tuple[str, dict, dict | None]]:
-    """(label, summary, score) per bar group: per dataset when some task spans several datasets, else per task."""
-    per_dataset = _per_dataset(ev)
-    groups = []
-    for task, t in ev["tasks"].items():
-        if per_dataset and t.get("datasets"):
-            for ds, d in t["datasets"].items():
-                score = d["score"] or (t["score"] if len(t["datasets"]) == 1 else None)
-                groups.append((f"{task}\n{ds}", d, score))
-        else:
-            groups.append((task, t, t["score"]))
-    return groups
-
-
-def _plot_eval(ax, ev: dict, target_r: float | None) -> None:
-    """Grouped bars of R total / text / image (mean ± std over samples) per task, the score above each group."""
-    groups = _eval_groups(ev)
-    width = 0.26
-    bars = [
-        (i, j, key, g[key]["mean"], g[key]["std"]) for j, key in enumerate(SERIES) for i, (_, g, _) in enumerate(groups)
-    ]
-    bars = [b for b in bars if b[3] is not None]
-    top = max([mean + std for *_, mean, std in bars] + [target_r or 0.0]) or 1.0
-    labelled = set()
-    for i, j, key, mean, std in bars:
-        x = i + (j - 1) * width
-        label = None if key in labelled else SERIES_LABELS[key]
-        labelled.add(key)
-        ax.bar(x, mean, width, yerr=std, capsize=3, color=SERIES_COLORS[key], label=label)
-        ax.text(x, mean + std + 0.01 * top, f"{mean:.2f}", ha="center", va="bottom", fontsize=7)
-    for i, (_, _, score) in enumerate(groups):
-        if score is not None:
-            ax.text(
-                i,
-                top * 1.12,
-                f"{score['metric']} = {score['value']:.3g}",
-                ha="center",
-                va="bottom",
-                fontsize=9,
-                fontweight="bold",
-                bbox={"boxstyle": "round,pad=0.25", "fc": "#fff8dc", "ec": "#bbbbbb"},
-            )
-    if target_r is not None:
-        ax.axhline(target_r, color="gray", ls="--", lw=1.2, label=f"target R = {target_r:g}")
-    ax.set_xticks(range(len(groups)))
-    ax.set_xticklabels(
-        [f"{label}\n(n={g['n']})" for label, g, _ in groups], fontsize=8, rotation=20 if len(groups) > 6 else 0
-    )
-    ax.set_ylim(0, top * 1.35)
-    ax.set_ylabel("R = tokens / concepts")
-    unit = "task / dataset" if _per_dataset(ev) else "task"
-    ax.set_title(f"Compression ratio per {unit} (mean ± std over samples), score above each group")
-    ax.grid(axis="y", alpha=0.3)
-    handles, labels = ax.get_legend_handles_labels()
-    if handles:
-        ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
-
-
-def plot_report(records: Records, summary: dict, out_png: str | Path) -> Path:
-    """PNG with one panel per kind of data present: R over training steps, and R per task with scores."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # Agg, no display, no pyplot global state
-    from matplotlib.figure import Figure
-
-    panels = [p for p in ("train", "eval") if summary[p] is not None]
-    n_groups = len(_eval_groups(summary["eval"])) if summary["eval"] else 0
-    fig = Figure(figsize=(max(10.0, 1.3 * n_groups), 4.8 * max(1, len(panels))), dpi=110, layout="constrained")
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(max(1, len(panels)), 1, squeeze=False)[:, 0]
-    for ax, panel in zip(axes, panels):
-        if panel == "train":
-            _plot_training(ax, records, summary["train"])
-        else:
-            target = summary["train"]["target_r"] if summary["train"] else None
-            _plot_eval(ax, summary["eval"], target)
-    out_png = Path(out_png)
-    fig.savefig(out_png)
-    return out_png
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Entry point
 
 
 def _overview(summary: dict) -> str:
