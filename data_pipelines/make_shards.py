@@ -1,0 +1,171 @@
+"""Write train / eval webdataset shards from the synthetic generators or local sources (``scripts/make_shards.py``).
+
+    python scripts/make_shards.py --synthetic scenes,documents,needles,text --out data/syn --num-samples 1000 --seed 0
+    python scripts/make_shards.py --from-jsonl docs.jsonl --out data/docs --eval-fraction 0.05
+    python scripts/make_shards.py --from-dir img2dataset_out/ --out data/pairs
+    python scripts/make_shards.py --from-text notes/*.txt --text-unit paragraph --out data/notes --tokenizer tok/
+
+Synthetic: ``--num-samples`` per kind for train and ``--eval-samples`` (default a tenth) per kind for eval, the
+kinds interleaved round-robin. Sources: one pass, each sample goes to eval when a hash of its key falls under
+``--eval-fraction`` (default 0: train only, no eval folder). Writes ``OUT/<split>/*.tar`` + ``manifest.json`` and
+prints one summary line per split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import sys
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+
+from data_pipelines import sources, synthetic
+from data_pipelines.schema import Sample
+from data_pipelines.writer import SplitWriter
+
+logger = logging.getLogger(__name__)
+
+
+def _counted(samples: Iterable[Sample], counter: Counter) -> Iterator[Sample]:
+    for sample in samples:
+        counter[sample.meta.get("kind", "?")] += 1
+        yield sample
+
+
+def make_synthetic(
+    kinds: Sequence[str],
+    out_dir: str,
+    num_samples: int,
+    seed: int,
+    eval_samples: int | None = None,
+    tokenizer=None,
+    **writer_options,
+) -> dict[str, dict]:
+    """Train and eval shards of the synthetic ``kinds``; returns ``{split: manifest}``."""
+    unknown = sorted(set(kinds) - set(synthetic.GENERATORS))
+    if unknown or not kinds:
+        raise ValueError(f"synthetic kinds must be among {sorted(synthetic.GENERATORS)}, got {list(kinds)}")
+    if num_samples < 0 or (eval_samples is not None and eval_samples < 0):
+        raise ValueError(f"num_samples / eval_samples must be >= 0, got {num_samples} / {eval_samples}")
+    if eval_samples is None:
+        eval_samples = (num_samples + 9) // 10
+    manifests = {}
+    for split, n in (("train", num_samples), ("eval", eval_samples)):
+        per_kind: Counter = Counter()
+        extra = {"source": "synthetic", "generator": "data_pipelines.synthetic", "kinds": list(kinds), "seed": seed}
+        extra["kind_samples"] = per_kind  # filled while writing, read when the manifest is written
+        with SplitWriter(out_dir, split, manifest_extra=extra, tokenizer=tokenizer, **writer_options) as writer:
+            for sample in _counted(synthetic.interleave(kinds, n, seed, split), per_kind):
+                writer.write(sample)
+        manifests[split] = writer.manifest
+    return manifests
+
+
+def is_eval(key: str, eval_fraction: float) -> bool:
+    """Stable hash split of a key: the same key lands on the same side in every run."""
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") < eval_fraction * 2**64
+
+
+def make_from_source(
+    samples: Iterable[Sample],
+    stats: sources.SourceStats,
+    source: dict,
+    out_dir: str,
+    eval_fraction: float = 0.0,
+    tokenizer=None,
+    **writer_options,
+) -> dict[str, dict]:
+    """Route one source stream into train (and eval when ``eval_fraction`` > 0); returns ``{split: manifest}``.
+    Both manifests record the whole source's ``read`` / ``skipped`` counts."""
+    if not 0.0 <= eval_fraction < 1.0:
+        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+    splits = ["train", "eval"] if eval_fraction > 0 else ["train"]
+    writers = {split: SplitWriter(out_dir, split, tokenizer=tokenizer, **writer_options) for split in splits}
+    try:
+        for sample in samples:
+            writers["eval" if eval_fraction > 0 and is_eval(sample.key, eval_fraction) else "train"].write(sample)
+    except BaseException:
+        for writer in writers.values():
+            writer.abort()
+        raise
+    manifests = {}
+    for split, writer in writers.items():
+        writer.manifest_extra = {"source": {**source, **stats.as_dict()}, "eval_fraction": eval_fraction}
+        manifests[split] = writer.close()
+    return manifests
+
+
+def _summary(split: str, manifest: dict, out_dir: str) -> str:
+    tokens = f", {manifest['text_tokens']:,} text tokens" if manifest["text_tokens"] is not None else ""
+    return (
+        f"{split}: {manifest['samples']:,} samples, {manifest['images']:,} images, {manifest['text_chars']:,} text "
+        f"chars{tokens} in {len(manifest['shards'])} shards -> {out_dir}/{split}/{manifest['brace'] or '(none)'}"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--synthetic", metavar="KIND[,KIND...]", help=f"kinds among {sorted(synthetic.GENERATORS)}")
+    src.add_argument("--from-jsonl", nargs="+", metavar="FILE", help="JSONL files of interleaved documents")
+    src.add_argument("--from-dir", metavar="DIR", help="a folder of *.jsonl documents or img2dataset pairs")
+    src.add_argument("--from-text", nargs="+", metavar="FILE", help="plain-text files")
+    parser.add_argument("--out", required=True, help="output folder: OUT/train, OUT/eval")
+    parser.add_argument("--num-samples", type=int, help="synthetic: train samples per kind")
+    parser.add_argument("--eval-samples", type=int, help="synthetic: eval samples per kind (default: a tenth)")
+    parser.add_argument("--seed", type=int, default=0, help="synthetic: generator seed (default 0)")
+    parser.add_argument("--eval-fraction", type=float, default=0.0, help="sources: share of keys sent to eval")
+    parser.add_argument("--text-unit", choices=("file", "paragraph"), default="file", help="--from-text samples")
+    parser.add_argument("--max-count", type=int, default=1000, help="samples per shard at most (default 1000)")
+    parser.add_argument("--max-size", type=int, default=64 * 2**20, help="bytes per shard, about (default 64 MiB)")
+    parser.add_argument("--tokenizer", metavar="DIR", help="HF tokenizer folder: text token counts in manifests")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress at INFO level")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    tokenizer = None
+    if args.tokenizer:
+        from transformers import AutoTokenizer  # slow import: only when asked
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    options = {"max_count": args.max_count, "max_size": args.max_size, "tokenizer": tokenizer}
+    try:
+        if args.synthetic:
+            if args.num_samples is None:
+                parser.error("--synthetic needs --num-samples")
+            kinds = [k.strip() for k in args.synthetic.split(",") if k.strip()]
+            manifests = make_synthetic(kinds, args.out, args.num_samples, args.seed, args.eval_samples, **options)
+        else:
+            stats = sources.SourceStats()
+            if args.from_jsonl:
+                source, samples = {"type": "jsonl", "paths": args.from_jsonl}, _chain_jsonl(args.from_jsonl, stats)
+            elif args.from_dir:
+                source, samples = {"type": "dir", "path": args.from_dir}, sources.from_dir(args.from_dir, stats)
+            else:
+                source = {"type": "text", "paths": args.from_text, "unit": args.text_unit}
+                samples = sources.from_text(args.from_text, stats, unit=args.text_unit)
+            manifests = make_from_source(samples, stats, source, args.out, args.eval_fraction, **options)
+            skipped = dict(sorted(stats.skipped.items()))
+            print(f"source: {stats.read:,} samples read, {sum(skipped.values()):,} entries skipped {skipped}")
+    except ValueError as err:
+        parser.error(str(err))
+    for split, manifest in manifests.items():
+        print(_summary(split, manifest, args.out))
+    if sum(m["samples"] for m in manifests.values()) == 0:
+        print("nothing written: no usable samples", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _chain_jsonl(paths: Sequence[str], stats: sources.SourceStats) -> Iterator[Sample]:
+    for path in paths:
+        yield from sources.from_jsonl(path, stats)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

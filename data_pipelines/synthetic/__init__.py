@@ -1,0 +1,53 @@
+"""Synthetic corpora, deterministic from (seed, split), train and eval disjoint, the same generators used for
+evaluation data:
+
+- ``scenes``: shapes on canvases, caption, QA and boxes (localization);
+- ``documents``: multi-page rendered text with a question answered by a span on one page (long-document QA);
+- ``needles``: needle in an interleaved text / image haystack at a chosen depth (retrieval);
+- ``text``: documents of the local text corpus (language modelling).
+
+Each module exposes ``generate(n, seed, split, **options) -> Iterator[Sample]``; sample ``i`` depends only on
+(kind, seed, split, i), and every sample's ``meta["kind"]`` names its generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+from data_pipelines.schema import Sample
+from data_pipelines.synthetic import documents, needles, scenes, text
+from data_pipelines.synthetic._common import SPLITS, check_split
+
+GENERATORS: dict[str, Callable[..., Iterator[Sample]]] = {
+    "scenes": scenes.generate,
+    "documents": documents.generate,
+    "needles": needles.generate,
+    "text": text.generate,
+}
+__all__ = ["GENERATORS", "SPLITS", "generate", "interleave"]
+
+
+def generate(kind: str, n: int, seed: int, split: str = "train", **options) -> Iterator[Sample]:
+    if kind not in GENERATORS:
+        raise ValueError(f"unknown synthetic kind {kind!r}; choose from {sorted(GENERATORS)}")
+    check_split(split)  # here too: the generators are lazy and would only raise on the first next()
+    return GENERATORS[kind](n, seed, split, **options)
+
+
+def interleave(kinds: Sequence[str], n: int, seed: int, split: str = "train") -> Iterator[Sample]:
+    """``n`` samples of each kind, round-robin (scenes 0, documents 0, ..., scenes 1, ...), so every shard mixes
+    the kinds; a kind that runs out (``text`` has a finite corpus) drops out of the rotation."""
+    if len(set(kinds)) != len(kinds):
+        raise ValueError(f"kinds must not repeat, got {list(kinds)}")
+    return _round_robin([generate(kind, n, seed, split) for kind in kinds])
+
+
+def _round_robin(streams: list[Iterator[Sample]]) -> Iterator[Sample]:
+    while streams:
+        alive = []
+        for stream in streams:
+            sample = next(stream, None)
+            if sample is not None:
+                yield sample
+                alive.append(stream)
+        streams = alive

@@ -1,0 +1,215 @@
+"""Write :class:`~data_pipelines.schema.Sample` streams to webdataset shards plus one manifest per split.
+
+Layout of one split (``out_dir/<split>/``)::
+
+    <split>-000000.tar, <split>-000001.tar, ...   webdataset.ShardWriter, max_count samples / max_size bytes each
+    manifest.json                                 what is in them (below)
+
+The manifest::
+
+    {"split": "train", "shards": ["train-000000.tar", ...], "brace": "train-{000000..000001}.tar",
+     "shard_samples": [1000, 412], "samples": 1412, "images": 2824, "text_chars": 301234,
+     "text_tokens": 80211 | null, "tokenizer": "name_or_path" | null, "max_count": 1000, "max_size": 67108864,
+     ...manifest_extra (generator, seed, source skips, ...)}
+
+Shard names and ``brace`` are relative to the manifest's folder. ``text_chars`` / ``text_tokens`` count the text
+*segments* only (not ``qa`` or ``meta``); tokens are counted without special tokens. Tar members carry mtime 0, so
+the same samples give byte-identical shards.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+import webdataset
+
+from data_pipelines.schema import IMAGE_EXTS, Sample, encode_sample
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9_\-]+$")  # keys, split names: no dot (webdataset cuts member names at the first)
+
+
+class TokenCounter:
+    """Counts text tokens with a HF tokenizer (``encode(text, add_special_tokens=False)``) or any object whose
+    ``encode(text)`` returns a list of ids (e.g. ``local_text.ByteTokenizer``)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.hf = hasattr(tokenizer, "convert_tokens_to_ids")
+
+    def __call__(self, text: str) -> int:
+        if self.hf:
+            return len(self.tokenizer.encode(text, add_special_tokens=False))
+        return len(self.tokenizer.encode(text))
+
+    @property
+    def name(self) -> str:
+        return getattr(self.tokenizer, "name_or_path", None) or type(self.tokenizer).__name__
+
+
+def _check_sample(sample: Sample) -> None:
+    if not isinstance(sample.key, str) or not _SAFE_NAME.match(sample.key):
+        raise ValueError(f"sample key {sample.key!r} must be non-empty and use only letters, digits, '_' and '-'")
+    for i, seg in enumerate(sample.segments):
+        if (seg.text is None) == (seg.image is None):
+            raise ValueError(f"sample {sample.key!r} segment {i}: exactly one of text / image must be set")
+        if seg.image is not None and (seg.image_ext not in IMAGE_EXTS or not seg.image):
+            raise ValueError(
+                f"sample {sample.key!r} segment {i}: image_ext {seg.image_ext!r} must be one of {IMAGE_EXTS} "
+                "and the image bytes non-empty"
+            )
+
+
+class SplitWriter:
+    """Writes one split, sample by sample; ``close()`` writes the manifest and returns it.
+
+    Use it directly to route one stream into several splits; :func:`write_shards` is the one-call form.
+    Stale ``<split>-NNNNNN.tar`` files and manifest from an earlier run in the same folder are deleted first.
+    ``manifest_extra`` is read at ``close()``, so it may hold counters the sample iterator fills while writing.
+    """
+
+    def __init__(
+        self,
+        out_dir: str | os.PathLike,
+        split: str = "train",
+        max_count: int = 1000,
+        max_size: int = 64 * 2**20,
+        manifest_extra: dict | None = None,
+        tokenizer=None,
+    ):
+        if not _SAFE_NAME.match(split):
+            raise ValueError(f"split {split!r} must use only letters, digits, '_' and '-'")
+        if max_count < 1 or max_size < 1:
+            raise ValueError(f"max_count and max_size must be >= 1, got max_count={max_count}, max_size={max_size}")
+        self.split, self.max_count, self.max_size = split, max_count, max_size
+        self.manifest_extra = manifest_extra if manifest_extra is not None else {}
+        self.count_tokens = TokenCounter(tokenizer) if tokenizer is not None else None
+        self.dir = Path(out_dir) / split
+        self.dir.mkdir(parents=True, exist_ok=True)
+        stale = sorted(p for p in self.dir.glob(f"{split}-*.tar") if re.fullmatch(rf"{split}-\d{{6}}\.tar", p.name))
+        for path in stale:
+            path.unlink()
+        (self.dir / MANIFEST).unlink(missing_ok=True)
+        if stale:
+            logger.info("removed %d stale shards from %s", len(stale), self.dir)
+        self._writer: webdataset.ShardWriter | None = None  # opened on the first sample: no empty shard
+        self._keys: set[str] = set()
+        self._shard_samples: list[int] = []
+        self.samples = self.images = self.text_chars = 0
+        self.text_tokens = 0
+        self.manifest: dict | None = None  # set by close()
+
+    def write(self, sample: Sample) -> None:
+        _check_sample(sample)
+        if sample.key in self._keys:
+            raise ValueError(f"duplicate sample key {sample.key!r} in split {self.split!r}")
+        self._keys.add(sample.key)
+        if self._writer is None:
+            pattern = str(self.dir / f"{self.split}-%06d.tar")
+            # mtime=0: reproducible tars; encoder=False: encode_sample already gives bytes.
+            self._writer = webdataset.ShardWriter(
+                pattern, maxcount=self.max_count, maxsize=self.max_size, verbose=0, mtime=0, encoder=False
+            )
+            self._shard_samples.append(0)
+        shard_before = self._writer.shard
+        self._writer.write(encode_sample(sample))
+        if self._writer.shard != shard_before:  # ShardWriter opened a new tar for this sample
+            self._shard_samples.append(0)
+        self._shard_samples[-1] += 1
+        self.samples += 1
+        self.images += sample.num_images
+        for seg in sample.segments:
+            if seg.text is not None:
+                self.text_chars += len(seg.text)
+                if self.count_tokens is not None:
+                    self.text_tokens += self.count_tokens(seg.text)
+
+    def close(self) -> dict:
+        """Finish the last shard, write the manifest and return it (idempotent)."""
+        if self.manifest is not None:
+            return self.manifest
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        n = len(self._shard_samples)
+        shards = [f"{self.split}-{i:06d}.tar" for i in range(n)]
+        manifest = {
+            "split": self.split,
+            "shards": shards,
+            "brace": f"{self.split}-{{{0:06d}..{n - 1:06d}}}.tar" if n else None,
+            "shard_samples": list(self._shard_samples),
+            "samples": self.samples,
+            "images": self.images,
+            "text_chars": self.text_chars,
+            "text_tokens": self.text_tokens if self.count_tokens is not None else None,
+            "tokenizer": self.count_tokens.name if self.count_tokens is not None else None,
+            "max_count": self.max_count,
+            "max_size": self.max_size,
+        }
+        clash = sorted(set(manifest) & set(self.manifest_extra))
+        if clash:
+            raise ValueError(f"manifest_extra must not override the manifest's own fields {clash}")
+        manifest.update(self.manifest_extra)
+        tmp = self.dir / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
+        os.replace(tmp, self.dir / MANIFEST)
+        logger.info(
+            "%s: %d samples, %d images in %d shards under %s", self.split, self.samples, self.images, n, self.dir
+        )
+        self.manifest = manifest
+        return manifest
+
+    def abort(self) -> None:
+        """Close the open tar and write no manifest (after an error)."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def __enter__(self) -> SplitWriter:
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def write_shards(
+    samples: Iterable[Sample],
+    out_dir: str | os.PathLike,
+    split: str = "train",
+    max_count: int = 1000,
+    max_size: int = 64 * 2**20,
+    manifest_extra: dict | None = None,
+    tokenizer=None,
+) -> dict:
+    """Write ``samples`` to ``out_dir/<split>/<split>-%06d.tar`` and ``out_dir/<split>/manifest.json``.
+
+    Args:
+        samples: any iterable of Samples; keys unique within the split, letters / digits / ``_`` / ``-`` only.
+        max_count, max_size: a new shard starts once the current one holds ``max_count`` samples or
+            ``max_size`` payload bytes (a shard may exceed ``max_size`` by its last sample).
+        manifest_extra: fields added to the manifest (generator, seed, source, ...), read after writing.
+        tokenizer: optional; when given the manifest's ``text_tokens`` counts the text segments' tokens.
+
+    Returns the manifest dict (see the module docstring).
+    """
+    with SplitWriter(out_dir, split, max_count, max_size, manifest_extra, tokenizer) as writer:
+        for sample in samples:
+            writer.write(sample)
+    return writer.manifest
+
+
+def load_manifest(split_dir: str | os.PathLike) -> dict:
+    """The manifest of ``split_dir`` (``out_dir/<split>``), with ``paths``: the shards' full paths."""
+    manifest = json.loads((Path(split_dir) / MANIFEST).read_text())
+    manifest["paths"] = [str(Path(split_dir) / name) for name in manifest["shards"]]
+    return manifest

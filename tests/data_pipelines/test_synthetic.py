@@ -1,0 +1,154 @@
+import io
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from data_pipelines.local_text import load_local_text_corpus
+from data_pipelines.schema import encode_sample
+from data_pipelines.synthetic import GENERATORS, generate, interleave, needles, scenes
+
+KINDS = sorted(GENERATORS)
+N = {"scenes": 12, "documents": 3, "needles": 4, "text": 12}
+
+
+def _bytes(samples) -> list[dict]:
+    return [encode_sample(s) for s in samples]
+
+
+def _content(sample) -> bytes:
+    """Everything of a sample but its key."""
+    members = encode_sample(sample)
+    return b"".join(v for k, v in sorted(members.items()) if k != "__key__")
+
+
+def _pixels(data: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_same_seed_same_bytes_other_seed_other_bytes(kind):
+    first = _bytes(generate(kind, N[kind], seed=1))
+    assert first == _bytes(generate(kind, N[kind], seed=1))
+    other = _bytes(generate(kind, N[kind], seed=2))
+    assert all(a["__key__"] != b["__key__"] for a, b in zip(first, other))
+    contents = [_content(s) for s in generate(kind, N[kind], seed=1)]
+    other_contents = [_content(s) for s in generate(kind, N[kind], seed=2)]
+    assert all(a != b for a, b in zip(contents, other_contents))
+    if kind != "text":  # text: another seed is another order of the same corpus
+        assert set(contents).isdisjoint(other_contents)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_train_and_eval_are_disjoint(kind):
+    train, evaluation = list(generate(kind, N[kind], 0, "train")), list(generate(kind, N[kind], 0, "eval"))
+    assert len(train) == len(evaluation) == N[kind]
+    assert {s.key for s in train}.isdisjoint(s.key for s in evaluation)
+    assert {_content(s) for s in train}.isdisjoint(_content(s) for s in evaluation)
+    train_parts = {seg.image or seg.text for s in train for seg in s.segments}
+    eval_parts = {seg.image or seg.text for s in evaluation for seg in s.segments}
+    shared = train_parts & eval_parts
+    # Only fixed question texts (documents: "What is the code word on page 1?") may recur across splits.
+    assert all(isinstance(p, str) and p.startswith("What is the") for p in shared), shared
+
+
+@pytest.mark.parametrize("kind", ["scenes", "needles"])
+def test_sample_i_does_not_depend_on_n(kind):
+    assert _bytes(generate(kind, 2, 5)) == _bytes(generate(kind, 4, 5))[:2]
+
+
+def test_unknown_kind_split_or_repeat_raise():
+    with pytest.raises(ValueError, match="kind"):
+        generate("videos", 1, 0)
+    with pytest.raises(ValueError, match="split"):
+        generate("scenes", 1, 0, "test")
+    with pytest.raises(ValueError, match="repeat"):
+        interleave(["text", "text"], 1, 0)
+
+
+def test_interleave_is_round_robin_and_drops_exhausted_kinds():
+    got = [s.meta["kind"] for s in interleave(["scenes", "text"], 3, 0, "eval")]
+    assert got == ["scenes", "text"] * 3
+
+
+def test_scene_boxes_are_tight_around_the_drawn_shapes():
+    for sample in generate("scenes", 40, 3):
+        pixels = _pixels(sample.segments[0].image)
+        h, w, _ = pixels.shape
+        meta = sample.meta
+        assert meta["canvas"] == {"width": w, "height": h}
+        inside_count = {}
+        for obj in meta["objects"]:
+            x0, y0, x1, y1 = obj["box_px"]
+            assert [round(v * s) for v, s in zip(obj["box"], (w, h, w, h))] == obj["box_px"]
+            crop = (pixels[y0:y1, x0:x1] == scenes.COLOURS[obj["colour"]]).all(-1)
+            assert crop.mean() > 0.3, obj  # the shape fills its box
+            assert crop[0].any() and crop[-1].any() and crop[:, 0].any() and crop[:, -1].any(), obj  # tight
+            inside_count[obj["colour"]] = inside_count.get(obj["colour"], 0) + int(crop.sum())
+        for colour, count in inside_count.items():  # no pixel of an object's colour outside the boxes
+            assert (pixels == scenes.COLOURS[colour]).all(-1).sum() == count
+
+
+def test_scene_qa_agrees_with_meta():
+    for sample in generate("scenes", 30, 4):
+        objects = sample.meta["objects"]
+        by_type = {}
+        for item in sample.qa:
+            by_type.setdefault(item["type"], []).append(item)
+        assert by_type["count"][0]["a"] == str(len(objects))
+        box_qa = by_type["box"][0]
+        target = next(o for o in objects if f"{o['colour']} {o['shape']}" in box_qa["q"])
+        assert box_qa["box"] == target["box"]
+        assert json.loads(box_qa["a"]) == [round(v, 2) for v in target["box"]]
+        assert sample.segments[1].text and all(o["colour"] in sample.segments[1].text for o in objects)
+
+
+def test_document_answer_is_on_the_stated_page():
+    for sample in generate("documents", 4, 2):
+        meta, (qa,) = sample.meta, sample.qa
+        pages = [seg for seg in sample.segments if seg.image is not None]
+        assert len(pages) == meta["num_pages"] == len(meta["page_texts"]) and sample.segments[-1].text == qa["q"]
+        page = meta["answer_page"]
+        assert qa["page"] == page and f"page {page + 1}?" in qa["q"] and qa["a"] == meta["code_words"][page]
+        for k, text in enumerate(meta["page_texts"]):
+            flat = " ".join(text.split())
+            assert f"The code word on page {k + 1} is {meta['code_words'][k]}." in flat
+            assert flat.endswith(f"Page {k + 1} of {meta['num_pages']}")
+            assert all(word not in flat for j, word in enumerate(meta["code_words"]) if j != k)
+        pixels = _pixels(pages[page].image)
+        h, w, _ = pixels.shape
+        assert [w, h] == meta["page_size"]
+        x0, y0, x1, y1 = (round(v * s) for v, s in zip(meta["answer_box"], (w, h, w, h)))
+        assert x1 - x0 > 5 and (pixels[y0:y1, x0:x1] < 128).any()  # ink where the answer word is drawn
+
+
+def test_needle_depth_and_modality_are_honoured():
+    samples = list(generate("needles", 22, 0, "eval"))
+    assert {(s.meta["depth"], s.meta["needle_modality"]) for s in samples} == {
+        (d, m) for d in needles.DEPTHS for m in needles.MODALITIES
+    }
+    for sample in samples:
+        meta, (qa,) = sample.meta, sample.qa
+        context, question = sample.segments[:-1], sample.segments[-1]
+        assert question.text == qa["q"] and qa["a"] in meta["needle"]
+        assert len(context) == meta["context_segments"]
+        assert meta["context_images"] == sum(seg.image is not None for seg in context)
+        assert meta["needle_index"] == round(meta["depth"] * (len(context) - 1))
+        needle = context[meta["needle_index"]]
+        if meta["needle_modality"] == "text":
+            assert needle.text == meta["needle"]
+        else:
+            pixels = _pixels(needle.image)
+            h, w, _ = pixels.shape
+            x0, y0, x1, y1 = (round(v * s) for v, s in zip(meta["needle_box"], (w, h, w, h)))
+            assert (pixels[y0:y1, x0:x1] < 128).any()
+        assert sum(meta["needle"] in (seg.text or "") for seg in context) == (meta["needle_modality"] == "text")
+
+
+def test_text_samples_are_the_corpus_split():
+    corpus = load_local_text_corpus()
+    evaluation = [s.segments[0].text for s in generate("text", 10_000, 0, "eval")]
+    assert sorted(evaluation) == sorted(corpus["eval"])  # all of them, once each
+    train = [s.segments[0].text for s in generate("text", 20, 0, "train")]
+    assert set(train) <= set(corpus["train"]) and len(set(train)) == 20
