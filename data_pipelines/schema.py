@@ -53,6 +53,9 @@ class Sample:
         return sum(s.image is not None for s in self.segments)
 
 
+SampleSchema = Sample  # the name ARCHITECTURE.md uses for the schema's in-memory form
+
+
 def image_bytes(img: Image.Image, ext: str = "png") -> bytes:
     buf = io.BytesIO()
     img.save(buf, format={"jpg": "JPEG", "jpeg": "JPEG"}.get(ext, ext.upper()))
