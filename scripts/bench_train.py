@@ -1,0 +1,88 @@
+"""Training throughput per process and memory peak: ConceptMoE (R=2, matched) vs its MoE baseline, one run.
+
+    python scripts/bench_train.py [--preset small] [--seq-lens 1024 4096 8192] [--steps 3]
+
+Every (model, seq len) cell runs in a fresh subprocess so that its memory peak (max RSS on CPU, or
+``torch.cuda.max_memory_allocated`` on GPU) is its own: a full optimiser step (forward, backward, AdamW) on one
+packed row of 512-token documents (``doc_ids``, as in training), median of ``--steps`` after a warm-up. Ratios
+are against the baseline measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+
+def one_cell(preset: str, seq_len: int, steps: int) -> dict:
+    from vlm import ConceptMoEConfig, ConceptMoEForCausalLM
+
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    overrides = {} if preset.endswith("-moe") else {"router_init": "random"}  # R ~ 2 from the first step
+    config = ConceptMoEConfig.from_preset(preset, max_position_embeddings=max(seq_len, 8192), **overrides)
+    model = ConceptMoEForCausalLM(config).to(device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, config.vocab_size, (1, seq_len), device=device)
+    doc_ids = (torch.arange(seq_len, device=device) // 512)[None]
+    times, r = [], 1.0
+    for i in range(steps + 1):
+        start = time.perf_counter()
+        out = model(ids, labels=ids, doc_ids=doc_ids)
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if i:  # the first step warms up
+            times.append(time.perf_counter() - start)
+        r = out.chunk_stats["r"]
+    if device == "cuda":
+        peak_mb = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return {"tokens_per_s": seq_len / statistics.median(times), "peak_mb": peak_mb, "r": r, "device": device}
+
+
+def run_cell(preset: str, seq_len: int, steps: int) -> dict:
+    cmd = [sys.executable, __file__, "--cell", preset, str(seq_len), str(steps)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 8192])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--cell", nargs=3, metavar=("PRESET", "SEQ_LEN", "STEPS"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.cell:
+        print(json.dumps(one_cell(args.cell[0], int(args.cell[1]), int(args.cell[2]))))
+        return
+
+    print(f"# {args.preset} vs {args.preset}-moe: one optimiser step per row, packed 512-token documents")
+    print(
+        "| tokens per row | MoE tok/s | ConceptMoE tok/s | R | speed ratio | MoE peak MB | ConceptMoE peak MB | ratio |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for n in args.seq_lens:
+        base = run_cell(f"{args.preset}-moe", n, args.steps)
+        cmoe = run_cell(args.preset, n, args.steps)
+        print(
+            f"| {n} | {base['tokens_per_s']:,.0f} | {cmoe['tokens_per_s']:,.0f} | {cmoe['r']:.2f} "
+            f"| {cmoe['tokens_per_s'] / base['tokens_per_s']:.2f}x | {base['peak_mb']:,.0f} | {cmoe['peak_mb']:,.0f} "
+            f"| {cmoe['peak_mb'] / base['peak_mb']:.2f}x |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
