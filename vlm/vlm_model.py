@@ -130,6 +130,16 @@ class ConceptMoEVLM(PreTrainedModel):
         )
         return self.projector(tokens)
 
+    def idle_image_pass(self, like: torch.Tensor) -> torch.Tensor:
+        """The tower and projector on one blank merge block: a text-only training batch still uses (and gives a
+        zero gradient to) every vision parameter, like the batches of the other ranks."""
+        m, p = self.config.vision_merge, self.vision_tower.patch_size
+        coord = torch.stack(torch.meshgrid(torch.arange(m), torch.arange(m), indexing="ij"), -1).reshape(1, m * m, 2)
+        patches = like.new_zeros(1, m * m, p * p * 3)
+        valid = torch.ones(1, m * m, dtype=torch.bool, device=like.device)
+        grid = torch.tensor([[m, m]], device=like.device)
+        return self.image_embeddings(patches, coord.to(like.device), valid, grid).sum()
+
     def embed(self, input_ids, modality_ids, attention_mask, patches, patch_coord, patch_valid, grid_hw):
         """Text embeddings with every image slot (``modality_ids == 1``) replaced by its image token."""
         embeds_BND = self.get_input_embeddings()(input_ids)
@@ -141,6 +151,8 @@ class ConceptMoEVLM(PreTrainedModel):
         if n_images == 0:
             if n_slots:
                 raise ValueError(f"input has {n_slots} image slots but no images (pass patches from VLMProcessor)")
+            if self.training:  # every rank must run the same modules (ZeRO-3 gathers, DDP/ZeRO buckets)
+                embeds_BND = embeds_BND + 0.0 * self.idle_image_pass(embeds_BND)
             return embeds_BND
         image_ND = self.image_embeddings(patches, patch_coord, patch_valid, grid_hw).to(embeds_BND.dtype)
         if image_ND.shape[0] != n_slots:

@@ -1,0 +1,47 @@
+"""Train a ConceptMoE VLM with DeepSpeed.
+
+    deepspeed --num_gpus 2 scripts/train_vlm.py --config scripts/configs/tiny.yaml \\
+        --deepspeed scripts/configs/zero2.json --out runs/tiny [--set train.max_steps=50 ...] [--resume auto]
+
+Also runs under ``torchrun`` and as plain ``python`` (one process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from training.config import ConfigError, load_config, save_config  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--deepspeed", default=None, help="DeepSpeed JSON (ZeRO stage); default: no ZeRO")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    parser.add_argument("--out", required=True, help="run folder")
+    parser.add_argument("--resume", default=None, help="'auto' (latest complete checkpoint of --out) or a folder")
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config, args.set)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(asctime)s %(message)s")
+    os.makedirs(args.out, exist_ok=True)
+    if rank == 0:
+        save_config(config, os.path.join(args.out, "config.yaml"))
+    from training.loop import run
+
+    run(config, args.out, args.deepspeed, args.resume)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

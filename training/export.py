@@ -1,0 +1,71 @@
+"""Export a checkpoint to one HF folder: ``ConceptMoEVLM.save_pretrained`` + ``VLMProcessor.save_pretrained``.
+
+Works for every ZeRO stage: the full fp32 weights are gathered from the checkpoint files
+(``deepspeed.utils.zero_to_fp32``), in one process, no launcher needed.
+
+    python -m training.export RUN_DIR [--tag step_00000100] --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+import yaml
+
+from training import checkpoint
+
+log = logging.getLogger(__name__)
+
+
+def full_state_dict(root: str, tag: str) -> dict:
+    """fp32 weights of a checkpoint: gathered from the ZeRO partitions, or the plain module state without ZeRO."""
+    import torch
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    plain = os.path.join(root, tag, "mp_rank_00_model_states.pt")  # stage 0-2 (stage 3 writes zero_pp_rank_*)
+    if os.path.isfile(plain):
+        states = torch.load(plain, map_location="cpu", weights_only=False)
+        if states.get("param_shapes") is None:  # stage 0: the module's own state dict
+            return states["module"]
+    return get_fp32_state_dict_from_zero_checkpoint(root, tag=tag)
+
+
+def export_checkpoint(run_dir: str, out_dir: str, tag: str | None = None) -> str:
+    """Writes the model and processor of ``run_dir``'s checkpoint ``tag`` (default: latest complete) to ``out_dir``."""
+    from training.loop import build_model
+
+    root = checkpoint.checkpoint_dir(run_dir)
+    tag = tag or checkpoint.latest_tag(root)
+    if tag is None:
+        raise FileNotFoundError(f"{root}: no complete checkpoint to export")
+    with open(os.path.join(run_dir, "config.yaml")) as f:
+        config = yaml.safe_load(f)
+    model, processor = build_model(config)
+    state = full_state_dict(root, tag)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k not in getattr(model, "_tied_weights_keys", None) or {}]
+    if unexpected or [k for k in missing if not k.endswith("lm_head.weight")]:
+        raise RuntimeError(
+            f"checkpoint {tag} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    model.save_pretrained(out_dir)
+    processor.save_pretrained(out_dir)
+    log.info("exported %s/%s to %s", root, tag, out_dir)
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir")
+    parser.add_argument("--tag", default=None, help="checkpoint tag (default: the latest complete one)")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(export_checkpoint(args.run_dir, args.out, args.tag))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
