@@ -6,6 +6,9 @@ Every (model, seq len) cell runs in a fresh subprocess so that its memory peak (
 ``torch.cuda.max_memory_allocated`` on GPU) is its own: a full optimiser step (forward, backward, AdamW) on one
 packed row of 512-token documents (``doc_ids``, as in training), median of ``--steps`` after a warm-up. Ratios
 are against the baseline measured in the same run.
+
+``--scaling`` measures the real training script instead: ``deepspeed --num_gpus 1`` and ``--num_gpus 2`` runs of
+``scripts/train_vlm.py`` (ZeRO-2) on synthetic shards, global and per-process tokens/s from ``metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -57,15 +60,52 @@ def run_cell(preset: str, seq_len: int, steps: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def scaling(preset: str, steps: int) -> None:
+    import os
+    import tempfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    bin_dir = Path(sys.executable).parent
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    with tempfile.TemporaryDirectory() as tmp:
+        shards = Path(tmp) / "shards"
+        subprocess.run([sys.executable, str(root / "scripts" / "make_shards.py"), "--synthetic", "scenes,text",
+                        "--out", str(shards), "--num-samples", "128", "--seed", "0"], check=True, capture_output=True,
+                       env=env)  # fmt: skip
+        print(f"# scripts/train_vlm.py, {preset} VLM, ZeRO-2, rows 2 x 256 per process, median of steps 3..{steps}")
+        print("| processes | global tok/s | tok/s per process | scaling |")
+        print("|---|---|---|---|")
+        base = None
+        for n in (1, 2):
+            run = Path(tmp) / f"run{n}"
+            cmd = [str(bin_dir / "deepspeed"), "--num_gpus", str(n), "--master_port", str(29850 + n),
+                   str(root / "scripts" / "train_vlm.py"), "--config", str(root / "scripts" / "configs" / "tiny.yaml"),
+                   "--deepspeed", str(root / "scripts" / "configs" / "zero2.json"), "--out", str(run)]  # fmt: skip
+            for setting in (f"model.preset={preset}", f"data.shards=[{shards / 'train'}]", "data.eval_shards=null",
+                            f"train.max_steps={steps}", f"train.save_every={steps}", "train.eval_every=0",
+                            "train.export=false"):  # fmt: skip
+                cmd += ["--set", setting]
+            subprocess.run(cmd, check=True, capture_output=True, env=env, cwd=root)
+            records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+            tps = statistics.median(r["tokens_per_s"] for r in records if r.get("step", 0) >= 3 and "tokens_per_s" in r)
+            base = base or tps
+            print(f"| {n} | {tps:,.0f} | {tps / n:,.0f} | {tps / base:.2f}x |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="small")
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 8192])
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--scaling", action="store_true", help="1 vs 2 processes through scripts/train_vlm.py")
     parser.add_argument("--cell", nargs=3, metavar=("PRESET", "SEQ_LEN", "STEPS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cell:
         print(json.dumps(one_cell(args.cell[0], int(args.cell[1]), int(args.cell[2]))))
+        return
+    if args.scaling:
+        scaling(args.preset, max(args.steps, 8))
         return
 
     print(f"# {args.preset} vs {args.preset}-moe: one optimiser step per row, packed 512-token documents")

@@ -22,6 +22,7 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "batch_size": (2, (int,)),
         "num_workers": (0, (int,)),
         "max_patches": (64, (int,)),
+        "split_documents": (False, (bool,)),
     },
     "train": {
         "max_steps": (REQUIRED, (int,)),
