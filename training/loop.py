@@ -123,18 +123,6 @@ def _all_reduce(values: list[float], op=None) -> list[float]:
     return t.tolist()
 
 
-def _touch_all_parameters(engine):
-    """ZeRO 1/2 reduce gradients in buckets as they become ready, so every rank must produce a gradient for every
-    parameter, also for those its batch did not use (the vision tower on a text-only batch). Adding
-    ``0 * sum(p)`` does that and changes neither the loss nor any gradient. None when not needed (one process,
-    or ZeRO-3, whose parameters are partitioned outside forward)."""
-    stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else 0
-    if not (dist.is_initialized() and dist.get_world_size() > 1) or stage >= 3:
-        return None
-    params = [p for p in engine.module.parameters() if p.requires_grad]
-    return lambda: 0.0 * sum(p.sum() for p in params)
-
-
 def train_step(engine, batches: list[dict], guard: NonFiniteGuard, step: int) -> StepStats | None:
     """One optimiser step over ``grad_accum`` micro-batches. Forwards run first so that a non-finite loss on
     any rank skips the whole step (no backward, no optimiser step) on every rank. None when skipped."""
@@ -143,9 +131,8 @@ def train_step(engine, batches: list[dict], guard: NonFiniteGuard, step: int) ->
     skip = guard.update(_all_reduce([local_bad], dist.ReduceOp.MAX if dist.is_initialized() else None)[0] == 0, step)
     if skip:
         return None
-    touch = _touch_all_parameters(engine)
     for out in outs:
-        engine.backward(out.loss if touch is None else out.loss + touch())
+        engine.backward(out.loss)
         engine.step()
     return StepStats.from_outputs(outs, batches)
 
