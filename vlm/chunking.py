@@ -97,6 +97,14 @@ class ChunkModule(nn.Module):
         p_BN = torch.where(layout.forced_BN, torch.ones_like(p_BN), p_BN)
         return p_BN * layout.valid_BN
 
+    def step_probs(self, prev_h_BD: torch.Tensor, h_BD: torch.Tensor) -> torch.Tensor:
+        """p of one new token per row from its state and the previous token's (decoding; Eq. 2 as above)."""
+        if self.router_kind == "cosine":
+            q_BD, k_BD = self.q_proj(h_BD), self.k_proj(prev_h_BD)
+            # the pair as a 2-token sequence: Eq. 2 compares q of token 1 with k of token 0
+            return cosine_boundary_probs(torch.stack([q_BD, q_BD], 1), torch.stack([k_BD, k_BD], 1))[:, 0]
+        return torch.sigmoid(self.proj(torch.cat([prev_h_BD, h_BD], dim=-1)).squeeze(-1).float())
+
     def forward(self, h_BND: torch.Tensor, layout: SeqLayout, tau: float) -> ChunkOutput:
         p_BN = self.boundary_probs(h_BND, layout)
         b_hard_BN = (p_BN >= 0.5) & layout.valid_BN  # Eq. 2's threshold, the centre of Eq. 5's noise

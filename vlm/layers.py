@@ -163,7 +163,10 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         mask_B1NN: torch.Tensor | None,
         concept_BND: torch.Tensor | None = None,
+        kv=None,
     ) -> torch.Tensor:
+        """``mask_B1NN`` is [B, 1, n, keys] (None: causal over the row). With a cache ``kv`` (``vlm.cache``),
+        the new keys / values are appended and the queries attend to every cached key (the mask covers them)."""
         b, n, _ = x_BND.shape
         q, k, v = self.joint_qkv(x_BND, concept_BND)
         if self.qk_norm == "full":
@@ -174,6 +177,8 @@ class Attention(nn.Module):
         if self.qk_norm == "head":
             q_BHNK, k_BGNK = self.q_norm(q_BHNK), self.k_norm(k_BGNK)
         q_BHNK, k_BGNK = apply_rope(q_BHNK, cos, sin), apply_rope(k_BGNK, cos, sin)
+        if kv is not None:
+            k_BGNK, v_BGNK = kv.update(k_BGNK, v_BGNK)
         gqa = self.n_kv_heads != self.n_heads
         if gqa and mask_B1NN is not None:  # SDPA's enable_gqa + an explicit mask falls back to the slow math path
             k_BGNK = k_BGNK.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
@@ -183,7 +188,7 @@ class Attention(nn.Module):
             k_BGNK,
             v_BGNK,
             attn_mask=mask_B1NN,
-            is_causal=mask_B1NN is None,
+            is_causal=mask_B1NN is None and k_BGNK.shape[2] == n,  # a lone query after a cache sees every key
             enable_gqa=gqa and mask_B1NN is None,
         )
         return self.o_proj(out_BHNK.transpose(1, 2).reshape(b, n, -1))

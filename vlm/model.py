@@ -14,10 +14,12 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
 
+from vlm.cache import ConceptMoECache
 from vlm.chunking import ChunkModule, chunk_to_concepts, fixed_boundaries, ratio_loss
 from vlm.chunking import ChunkOutput as _ChunkOutput
 from vlm.config import ConceptMoEConfig
 from vlm.dechunk import ema_over_concepts, plug_back
+from vlm.generation import ConceptMoEGenerationMixin, check_prefill, decode, fill_prefill_state, new_cache
 from vlm.layers import Attention, RMSNorm, SeqLayout, SwiGLU, make_layout, rope_cos_sin
 from vlm.moe import MoE, RouterStats
 from vlm.outputs import BackboneOutput, ConceptMoECausalLMOutput, chunk_statistics
@@ -55,8 +57,10 @@ class Block(nn.Module):
         else:
             self.ffn = SwiGLU(d_model, config.dense_ffn_dim)
 
-    def forward(self, x_BND, cos, sin, layout: SeqLayout, concept_BND=None) -> tuple[torch.Tensor, RouterStats | None]:
-        x_BND = x_BND + self.attn(self.attn_norm(x_BND), cos, sin, layout.mask_B1NN, concept_BND)
+    def forward(
+        self, x_BND, cos, sin, layout: SeqLayout, concept_BND=None, kv=None
+    ) -> tuple[torch.Tensor, RouterStats | None]:
+        x_BND = x_BND + self.attn(self.attn_norm(x_BND), cos, sin, layout.mask_B1NN, concept_BND, kv)
         y_BND = self.ffn_norm(x_BND)
         if not isinstance(self.ffn, MoE):
             return x_BND + self.ffn(y_BND), None
@@ -76,11 +80,12 @@ class Stack(nn.Module):
         self.head_dim, self.theta = head_dim, theta
         self.schedule = list(range(len(blocks))) if schedule is None else schedule
 
-    def forward(self, x_BND, layout: SeqLayout, concept_BND=None) -> tuple[torch.Tensor, list[RouterStats]]:
+    def forward(self, x_BND, layout: SeqLayout, concept_BND=None, kv=None) -> tuple[torch.Tensor, list[RouterStats]]:
+        """``kv``: one cache per entry of the schedule (a looped layer caches each of its applications)."""
         cos, sin = rope_cos_sin(layout.pos_BN, self.head_dim, self.theta, x_BND.dtype)
         router_stats = []
-        for i in self.schedule:
-            x_BND, stats = self.layers[i](x_BND, cos, sin, layout, concept_BND)
+        for j, i in enumerate(self.schedule):
+            x_BND, stats = self.layers[i](x_BND, cos, sin, layout, concept_BND, None if kv is None else kv[j])
             if stats is not None:
                 router_stats.append(stats)
         return x_BND, router_stats
@@ -182,11 +187,11 @@ class ConceptMoEModel(ConceptMoEPreTrainedModel):
                 total = total + weights.get(m, 1.0) * ratio_loss(chunk.p_BN, chunk.b_BN, in_m, target)
         return total
 
-    def concept_forward(self, c_BMD: torch.Tensor, layout: SeqLayout):
+    def concept_forward(self, c_BMD: torch.Tensor, layout: SeqLayout, kv=None):
         """Ĉ = C(C): the concept model at width d_c (with the d <-> d_c projectors of strategy 3)."""
         if hasattr(self, "concept_in"):
             c_BMD = self.concept_in(c_BMD)
-        c_BMD, stats = self.concept_model(c_BMD, layout)
+        c_BMD, stats = self.concept_model(c_BMD, layout, kv=kv)
         c_BMD = self.concept_norm(c_BMD)
         if hasattr(self, "concept_out"):
             c_BMD = self.concept_out(c_BMD)
@@ -201,27 +206,42 @@ class ConceptMoEModel(ConceptMoEPreTrainedModel):
         attention_mask=None,
         modality_ids=None,
         forced_boundaries=None,
+        cache: ConceptMoECache | None = None,
+        use_cache: bool = False,
         **kwargs,
     ) -> BackboneOutput:
+        """The full forward (training, eval, and the prefill of generation when ``use_cache``), or — given a
+        filled ``cache`` — decoding of the new tokens, one step each (``vlm.generation``)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         h_BND = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if cache is not None and cache.get_seq_length() > 0:
+            new_valid = None if attention_mask is None else attention_mask[:, -h_BND.shape[1] :].bool()
+            return BackboneOutput(last_hidden_state=decode(self, h_BND, cache, new_valid), aux={}, cache=cache)
         if doc_ids is None and position_ids is not None:
             doc_ids = doc_ids_from_positions(position_ids)
         layout = make_layout(doc_ids, attention_mask, h_BND.shape[:2], h_BND.device, position_ids, forced_boundaries)
+        if use_cache or cache is not None:
+            check_prefill(layout)
+            cache = cache if cache is not None else new_cache(self)
+        kv = dict(encoder=None, concept=None, decoder=None) if cache is None else vars(cache)
 
-        h_BND, router_stats = self.encoder(h_BND, layout)
+        h_BND, router_stats = self.encoder(h_BND, layout, kv=kv["encoder"])
         chunk, aux = None, {}
         if not self.config.chunked:
-            h_BND, stats = self.concept_model(h_BND, layout)
-            h_BND, dec_stats = self.decoder(h_BND, layout)
+            if cache is not None:
+                fill_prefill_state(cache, layout, h_BND)
+            h_BND, stats = self.concept_model(h_BND, layout, kv=kv["concept"])
+            h_BND, dec_stats = self.decoder(h_BND, layout, kv=kv["decoder"])
         else:
             chunk = self.chunk(h_BND, layout)
             concepts = chunk_to_concepts(h_BND, chunk, layout, self.config.merge)
-            c_BMD, stats = self.concept_forward(concepts.c_BMD, concepts.layout)
+            c_BMD, stats = self.concept_forward(concepts.c_BMD, concepts.layout, kv=kv["concept"])
             ema_BMD = ema_over_concepts(c_BMD, concepts.p_BM)
+            if cache is not None:
+                fill_prefill_state(cache, layout, h_BND, chunk.b_BN, concepts, ema_BMD, self.config.merge)
             dechunked = plug_back(h_BND, ema_BMD, chunk.p_BN, chunk.b_BN)
-            h_BND, dec_stats = self.decoder(dechunked.z_BND, layout, dechunked.concept_BND)
+            h_BND, dec_stats = self.decoder(dechunked.z_BND, layout, dechunked.concept_BND, kv=kv["decoder"])
             if self.config.chunking == "dynamic":
                 aux["ratio_loss"] = self.ratio_objective(chunk, layout, modality_ids)
         router_stats += stats + dec_stats
@@ -233,10 +253,11 @@ class ConceptMoEModel(ConceptMoEPreTrainedModel):
             aux=aux,
             chunk_stats=chunk_statistics(chunk, layout, modality_ids),
             chunk=chunk,
+            cache=cache,
         )
 
 
-class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel):
+class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, ConceptMoEGenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: ConceptMoEConfig):
@@ -267,6 +288,9 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel):
         position_ids=None,
         inputs_embeds=None,
         forced_boundaries=None,
+        cache=None,
+        use_cache: bool = False,
+        logits_to_keep: int = 0,
         **kwargs,
     ) -> ConceptMoECausalLMOutput:
         """Logits for every position; with ``labels`` (aligned with the inputs, -100 = ignore) the loss.
@@ -275,6 +299,10 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel):
         restart); ``attention_mask`` marks padding (0); ``modality_ids`` feeds ``chunk_stats`` (and the
         per-modality ratio losses when ``target_r_by_modality`` is set); ``forced_boundaries`` [B, N] bool
         marks tokens that must close a concept (p = b = 1 there, like a document start).
+
+        Generation: ``use_cache=True`` returns ``cache`` (prefill); passing it back with the next tokens (and the
+        attention mask grown by their columns) decodes them incrementally. ``logits_to_keep`` > 0 computes the
+        logits of the last positions only.
         """
         out = self.model(
             input_ids=input_ids,
@@ -284,8 +312,13 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel):
             attention_mask=attention_mask,
             modality_ids=modality_ids,
             forced_boundaries=forced_boundaries,
+            cache=cache,
+            use_cache=use_cache,
         )
-        logits = self.lm_head(out.last_hidden_state)
+        hidden_BND = out.last_hidden_state
+        if logits_to_keep and labels is None:
+            hidden_BND = hidden_BND[:, -logits_to_keep:]
+        logits = self.lm_head(hidden_BND)
         aux = dict(out.aux)
         loss = None
         if labels is not None:
@@ -303,4 +336,4 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel):
                 loss = loss + cfg.balance_loss_weight * aux["balance_loss"]
                 if cfg.router_z_loss_weight > 0:
                     loss = loss + cfg.router_z_loss_weight * aux["z_loss"]
-        return ConceptMoECausalLMOutput(loss=loss, logits=logits, aux=aux, chunk_stats=out.chunk_stats)
+        return ConceptMoECausalLMOutput(loss=loss, logits=logits, aux=aux, chunk_stats=out.chunk_stats, cache=out.cache)

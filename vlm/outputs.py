@@ -17,6 +17,7 @@ class BackboneOutput(ModelOutput):
     aux: dict | None = None  # ratio_loss, balance_loss, z_loss (scalar tensors)
     chunk_stats: dict | None = None
     chunk: ChunkOutput | None = None  # p / b of the forward (None with chunking="none")
+    cache: object | None = None  # vlm.cache.ConceptMoECache when use_cache (generation)
 
 
 @dataclass
@@ -27,6 +28,7 @@ class ConceptMoECausalLMOutput(ModelOutput):
     logits: torch.Tensor | None = None
     aux: dict | None = None
     chunk_stats: dict | None = None
+    cache: object | None = None  # vlm.cache.ConceptMoECache: pass it back with the next tokens
 
 
 @torch.no_grad()

@@ -15,6 +15,7 @@ from transformers import PreTrainedModel
 from transformers import initialization as init
 
 from vision_tower import Projector, VisionTower, pixel_shuffle_merge
+from vlm.generation import ConceptMoEGenerationMixin
 from vlm.model import ConceptMoEForCausalLM
 from vlm.outputs import ConceptMoECausalLMOutput
 from vlm.vlm_config import ConceptMoEVLMConfig
@@ -29,7 +30,7 @@ def modality_span_ends(modality_BN: torch.Tensor, valid_BN: torch.Tensor) -> tor
     return ends_BN & valid_BN
 
 
-class ConceptMoEVLM(PreTrainedModel):
+class ConceptMoEVLM(PreTrainedModel, ConceptMoEGenerationMixin):
     config_class = ConceptMoEVLMConfig
     base_model_prefix = ""
     _no_split_modules = ["Block"]
@@ -172,16 +173,27 @@ class ConceptMoEVLM(PreTrainedModel):
         patch_coord: torch.Tensor | None = None,
         patch_valid: torch.Tensor | None = None,
         grid_hw: torch.Tensor | None = None,
+        num_tokens: torch.Tensor | None = None,
         doc_ids: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        cache=None,
+        use_cache: bool = False,
+        logits_to_keep: int = 0,
         **kwargs,
     ) -> ConceptMoECausalLMOutput:
         """Rows from :class:`vlm.VLMProcessor` (or the data pipelines): token ids with image slots, the
         patches of every image in the batch (any number per row, any sizes), and optional labels.
 
-        Labels are ignored on image tokens and padding. ``modality_ids`` defaults to
+        Labels are ignored on image tokens and padding. ``num_tokens`` (tokens per image, from the processor) is
+        informational: the slots themselves say where the images go. ``modality_ids`` defaults to
         ``input_ids == image_token_id``.
+
+        Generation (``model.generate(**processor(text=..., images=...), max_new_tokens=...)``): the prefill runs
+        the images; later steps get only the new (text) tokens and the ``cache``, and ignore the image inputs.
         """
+        lm = self.language_model
+        if cache is not None and cache.get_seq_length() > 0:  # decode: new tokens are text
+            return lm(input_ids=input_ids, attention_mask=attention_mask, cache=cache, logits_to_keep=logits_to_keep)
         if modality_ids is None:
             modality_ids = (input_ids == self.config.image_token_id).long()
         embeds_BND = self.embed(input_ids, modality_ids, attention_mask, patches, patch_coord, patch_valid, grid_hw)
@@ -194,7 +206,9 @@ class ConceptMoEVLM(PreTrainedModel):
         if self.config.modality_boundaries:
             valid_BN = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
             forced_BN = modality_span_ends(modality_ids, valid_BN)
-        return self.language_model(
+            if use_cache:  # generated tokens are text: a prompt ending on an image token ends an image span there
+                forced_BN[:, -1] |= (modality_ids[:, -1] == IMAGE) & valid_BN[:, -1]
+        return lm(
             inputs_embeds=embeds_BND,
             labels=labels,
             attention_mask=attention_mask,
@@ -202,4 +216,7 @@ class ConceptMoEVLM(PreTrainedModel):
             doc_ids=doc_ids,
             position_ids=position_ids,
             forced_boundaries=forced_BN,
+            cache=cache,
+            use_cache=use_cache,
+            logits_to_keep=logits_to_keep,
         )
