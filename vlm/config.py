@@ -55,6 +55,8 @@ class ConceptMoEConfig(PretrainedConfig):
         top_k: int = 2,
         expert_dim: int = 64,
         shared_experts: int = 0,
+        shared_expert_dim: int | None = None,
+        shared_expert_gate: bool = False,
         dense_dim: int | None = None,
         norm_topk_prob: bool = True,
         balance_loss_weight: float = 0.01,
@@ -101,6 +103,8 @@ class ConceptMoEConfig(PretrainedConfig):
         self.top_k = top_k
         self.expert_dim = expert_dim
         self.shared_experts = shared_experts
+        self.shared_expert_dim = shared_expert_dim
+        self.shared_expert_gate = shared_expert_gate
         self.dense_dim = dense_dim
         self.norm_topk_prob = norm_topk_prob
         self.balance_loss_weight = balance_loss_weight
@@ -229,6 +233,17 @@ class ConceptMoEConfig(PretrainedConfig):
             positive_int(field)
         for field in ("encoder_layers", "concept_layers", "decoder_layers", "shared_experts"):
             non_negative_int(field)
+        need(
+            self.shared_expert_dim is None
+            or (isinstance(self.shared_expert_dim, int) and self.shared_expert_dim >= 1 and self.shared_experts >= 1),
+            "shared_expert_dim",
+            "must be None or an int >= 1, with shared_experts >= 1 (it sets the shared SwiGLU's width)",
+        )
+        need(
+            not self.shared_expert_gate or self.shared_experts >= 1,
+            "shared_expert_gate",
+            "needs shared_experts >= 1 (it gates the shared expert's output)",
+        )
         need(self.chunking in CHUNKING_MODES, "chunking", f"allowed values are {CHUNKING_MODES}")
         need(self.router in ROUTERS, "router", f"allowed values are {ROUTERS}")
         need(self.router_init in ROUTER_INITS, "router_init", f"allowed values are {ROUTER_INITS}")

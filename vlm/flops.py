@@ -83,8 +83,8 @@ class _Block:
         return self.width * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) * self.head_dim
 
     def params(self, cfg) -> int:
-        """Both norms, attention (+ q/k/v biases, + qk norms), FFN: router w x E, E routed and
-        ``shared_experts`` x F shared SwiGLU widths (3 w F each), or one dense SwiGLU of ``dense_ffn_dim``."""
+        """Both norms, attention (+ q/k/v biases, + qk norms), FFN: router w x E, E routed experts (3 w F each)
+        and the shared SwiGLU (3 w x its width, + its gate), or one dense SwiGLU of ``dense_ffn_dim``."""
         q, kv = cfg.n_heads * self.head_dim, cfg.n_kv_heads * self.head_dim
         n = 2 * self.width + self.attn_weights(cfg)
         n += (q + 2 * kv) if cfg.attention_bias else 0
@@ -92,7 +92,15 @@ class _Block:
         if cfg.ffn == "dense":
             return n + 3 * self.width * cfg.dense_ffn_dim
         w, f = self.width, self.ffn_dim
-        return n + w * self.experts + 3 * w * f * (self.experts + cfg.shared_experts)
+        return n + w * self.experts + 3 * w * (f * self.experts + self.shared_width(cfg)) + self.shared_gate(cfg)
+
+    def shared_width(self, cfg) -> int:
+        """Hidden width of the shared SwiGLU: ``shared_expert_dim``, else ``shared_experts`` x F (0: none)."""
+        return 0 if cfg.shared_experts == 0 else cfg.shared_expert_dim or cfg.shared_experts * self.ffn_dim
+
+    def shared_gate(self, cfg) -> int:
+        """The shared expert's sigmoid gate (``shared_expert_gate``, Qwen2-MoE): a w -> 1 projection."""
+        return self.width if cfg.shared_expert_gate and cfg.shared_experts > 0 else 0
 
     def inactive_params(self, cfg) -> int:
         """Routed-expert weights a token does not touch: (E - k) * 3 * w * F."""
@@ -102,8 +110,8 @@ class _Block:
         """2 x MACs for one token: projections, router, k routed + shared experts (or the dense FFN)."""
         w, f = self.width, self.ffn_dim
         dense = cfg.ffn == "dense"
-        ffn = 3 * w * cfg.dense_ffn_dim if dense else w * self.experts + 3 * w * f * (self.top_k + cfg.shared_experts)
-        return 2 * (self.attn_weights(cfg) + ffn)
+        routed = w * self.experts + 3 * w * (f * self.top_k + self.shared_width(cfg)) + self.shared_gate(cfg)
+        return 2 * (self.attn_weights(cfg) + (3 * w * cfg.dense_ffn_dim if dense else routed))
 
     def attn_map_flops(self, cfg, n_keys: float) -> float:
         """Causal QK^T + AV for one query over a sequence of n_keys: 2 * H * hd * n_keys."""

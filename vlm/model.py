@@ -53,7 +53,16 @@ class Block(nn.Module):
         )
         self.ffn_norm = RMSNorm(d_model, eps)
         if config.ffn == "moe":
-            self.ffn = MoE(d_model, num_experts, top_k, expert_dim, config.shared_experts, config.norm_topk_prob)
+            self.ffn = MoE(
+                d_model,
+                num_experts,
+                top_k,
+                expert_dim,
+                config.shared_experts,
+                config.norm_topk_prob,
+                shared_dim=config.shared_expert_dim,
+                shared_gate=config.shared_expert_gate,
+            )
         else:
             self.ffn = SwiGLU(d_model, config.dense_ffn_dim)
 

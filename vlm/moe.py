@@ -76,13 +76,18 @@ class MoE(nn.Module):
         expert_dim: int,
         shared_experts: int = 0,
         norm_topk_prob: bool = True,
+        shared_dim: int | None = None,
+        shared_gate: bool = False,
     ):
+        """``shared_dim`` overrides the shared SwiGLU's width (default ``shared_experts * expert_dim``);
+        ``shared_gate`` scales its output by sigmoid(w_g . x), a per-token gate (Qwen2-MoE's shared expert)."""
         super().__init__()
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.router = nn.Linear(d_model, num_experts, bias=False)
         self.w_gate_up = nn.Parameter(torch.empty(num_experts, d_model, 2 * expert_dim))
         self.w_down = nn.Parameter(torch.empty(num_experts, expert_dim, d_model))
-        self.shared = SwiGLU(d_model, shared_experts * expert_dim) if shared_experts > 0 else None
+        self.shared = SwiGLU(d_model, shared_dim or shared_experts * expert_dim) if shared_experts > 0 else None
+        self.shared_gate = nn.Linear(d_model, 1, bias=False) if shared_gate and self.shared is not None else None
         # "auto": grouped_mm on accelerators that have it; on CPU the loop over experts measured faster
         # (scripts/bench_model.py: 0.80x vs 0.71x of a dense FFN at d=256). "grouped" / "loop" force one.
         self.dispatch = "auto"
@@ -125,6 +130,8 @@ class MoE(nn.Module):
         flat_expert_S = expert_idx_TK.reshape(-1)
         counts_E = torch.bincount(flat_expert_S, minlength=self.num_experts)
         y_TD = self.shared(x_TD) if self.shared is not None else torch.zeros_like(x_TD)
+        if self.shared_gate is not None:
+            y_TD = torch.sigmoid(self.shared_gate(x_TD)) * y_TD
         if t > 0:  # dropless grouped dispatch: sort (token, expert) pairs by expert, add back per token
             order_S = torch.argsort(flat_expert_S, stable=True)
             token_S = order_S // k

@@ -26,6 +26,8 @@ from vlm import ConceptMoEConfig, ConceptMoEForCausalLM
         (dict(ffn="conv"), "ffn"),
         (dict(chunking="none", concept_d_model=96), "concept_d_model"),
         (dict(head_dim=5), "head_dim"),
+        (dict(shared_experts=0, shared_expert_dim=32), "shared_expert_dim"),
+        (dict(shared_experts=0, shared_expert_gate=True), "shared_expert_gate"),
     ],
 )
 def test_invalid_values_raise_naming_the_field(overrides, field):

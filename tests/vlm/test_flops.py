@@ -48,6 +48,7 @@ PARAM_CASES = {
     "dense-width": ("tiny-moe", dict(ffn="dense", dense_dim=100)),
     "tied": ("tiny", dict(tie_word_embeddings=True)),
     "no-joint": (None, {**SMALLER, "joint_layers": 1}),
+    "gated-shared-width": (None, {**SMALLER, "shared_expert_dim": 40, "shared_expert_gate": True}),
 }
 
 
@@ -82,6 +83,7 @@ WIDE_LOOP = dict(concept_d_model=96, concept_num_experts=4, concept_top_k=3, con
         ("tiny", {}),
         ("tiny", WIDE_LOOP),
         ("tiny-moe", dict(ffn="dense", n_kv_heads=4)),
+        ("tiny", dict(shared_expert_dim=40, shared_expert_gate=True)),
     ],
 )
 def test_flops_match_flop_counter(preset, overrides):

@@ -30,6 +30,19 @@ def test_dispatch_matches_per_token_reference(norm_topk_prob, shared, k):
     assert torch.allclose(x.grad, x_ref.grad, atol=1e-5)
 
 
+def test_gated_shared_expert_of_its_own_width():
+    """Qwen2-MoE's shared expert: its own width, output scaled by sigmoid(w_g . x) per token."""
+    torch.manual_seed(0)
+    moe = MoE(16, 6, 2, 24, shared_experts=1, shared_dim=40, shared_gate=True)
+    for w in (moe.w_gate_up, moe.w_down):
+        torch.nn.init.normal_(w, std=0.2)
+    assert moe.shared.gate_proj.out_features == 40 and moe.shared_gate.weight.shape == (1, 16)
+    x = torch.randn(11, 16)
+    y, _ = moe(x)
+    ungated = moe_per_token(moe, x) - moe.shared(x)  # the reference adds the shared expert ungated
+    assert torch.allclose(y, ungated + torch.sigmoid(moe.shared_gate(x)) * moe.shared(x), atol=1e-5)
+
+
 def test_grouped_matmul_and_expert_loop_agree():
     moe = _moe(experts=8, k=3)
     x = torch.randn(50, 16)
