@@ -80,6 +80,8 @@ class ConceptKV:
         self.k_BGMK, self.v_BGMK = _grown(self.k_BGMK, needed), _grown(self.v_BGMK, needed)
         self.k_BGMK[rows_R, :, at_R] = k_RGnK[:, :, 0]
         self.v_BGMK[rows_R, :, at_R] = v_RGnK[:, :, 0]
+        if rows_R.numel() == self.k_BGMK.shape[0]:  # every row at a boundary (rows are sorted): no gather copy
+            return self.k_BGMK[:, :, :needed], self.v_BGMK[:, :, :needed]
         return self.k_BGMK[rows_R, :, :needed], self.v_BGMK[rows_R, :, :needed]
 
     def for_rows(self, rows_R: torch.Tensor | None, at_R: torch.Tensor | None = None) -> ConceptKV:
