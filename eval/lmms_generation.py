@@ -1,0 +1,222 @@
+"""The model-side work of the lmms-eval plugin: chunking overrides, batched generation, log-likelihoods, and the
+per-row compression statistics (R total / text / image) of a prompt forward.
+
+Kept apart from ``eval/lmms_plugin.py`` so that it can be tested without lmms-eval's request objects: every
+function takes the model, the processor and plain items (``{"prompt": str, "images": [PIL...]}``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+TEXT, IMAGE = 0, 1
+CHUNKING_OVERRIDES = ("dynamic", "fixed", "none")
+
+
+@dataclass
+class GenSettings:
+    """A task's ``generation_kwargs`` as the plugin reads them."""
+
+    until: list[str]
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float | None = None
+    image_max_patches: int | None = None  # a task's hint (long documents); ``max_patches`` in model_args wins
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict | None, processor) -> GenSettings:
+        """Read until (str or list), max_new_tokens, temperature, top_p, image_max_patches; ignore the rest."""
+        kwargs = dict(kwargs or {})
+        until = kwargs.get("until") or []
+        until = [until] if isinstance(until, str) else list(until)
+        eos = processor.tokenizer.eos_token
+        if eos and eos not in until:
+            until.append(eos)
+        budget = kwargs.get("image_max_patches")
+        return cls(
+            until=until,
+            max_new_tokens=int(kwargs.get("max_new_tokens") or 64),
+            temperature=float(kwargs.get("temperature") or 0.0),
+            top_p=None if kwargs.get("top_p") is None else float(kwargs["top_p"]),
+            image_max_patches=None if budget is None else int(budget),
+        )
+
+
+def apply_chunking_overrides(model, chunking=None, target_r=None, noise_tau=None, modality_boundaries=None) -> None:
+    """Eval-time chunking for studies: ``fixed`` + ``target_r`` forces R; ``noise_tau``; ``modality_boundaries``.
+
+    Changes the loaded model's config objects in place (the backbone reads them at every forward).
+    """
+    text_configs = {id(c): c for c in (model.config.text_config, model.language_model.config)}
+    text_configs[id(model.language_model.model.config)] = model.language_model.model.config
+    current = model.config.text_config.chunking
+    if chunking is not None:
+        if chunking not in CHUNKING_OVERRIDES:
+            raise ValueError(f"conceptmoe: chunking={chunking!r} is invalid: use one of {CHUNKING_OVERRIDES}")
+        if (chunking == "none") != (current == "none"):
+            raise ValueError(
+                f"conceptmoe: chunking={chunking!r} cannot be applied to a checkpoint trained with chunking={current!r}"
+                " (the chunk / dechunk modules exist only in chunked models)"
+            )
+    if target_r is not None and target_r < 1.0:
+        raise ValueError(f"conceptmoe: target_r={target_r} is invalid: must be >= 1")
+    if noise_tau is not None and noise_tau < 0:
+        raise ValueError(f"conceptmoe: noise_tau={noise_tau} is invalid: must be >= 0")
+    for cfg in text_configs.values():
+        if chunking is not None:
+            cfg.chunking = chunking
+        if target_r is not None:
+            cfg.target_r = float(target_r)
+        if noise_tau is not None:
+            cfg.noise_tau = float(noise_tau)
+    if modality_boundaries is not None:
+        model.config.modality_boundaries = bool(modality_boundaries)
+    cfg = model.config.text_config
+    logger.info("conceptmoe: chunking=%s target_r=%s noise_tau=%s", cfg.chunking, cfg.target_r, cfg.noise_tau)
+
+
+@contextlib.contextmanager
+def image_budget(processor, max_patches: int | None):
+    """Temporarily set the image processor's patch budget."""
+    ip = processor.image_processor
+    saved = ip.max_patches
+    if max_patches is not None:
+        ip.max_patches = max(int(max_patches), ip.merge**2)
+    try:
+        yield
+    finally:
+        ip.max_patches = saved
+
+
+@contextlib.contextmanager
+def capture_boundaries(model):
+    """Collect the boundary mask ``b_BN`` of every backbone forward (None entries: no chunking)."""
+    seen: list = []
+
+    def hook(_module, _args, output):
+        chunk = getattr(output, "chunk", None)
+        seen.append(None if chunk is None else chunk.b_BN.detach())
+
+    handle = model.language_model.model.register_forward_hook(hook)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+def row_stats(b_BN: torch.Tensor | None, attention_mask: torch.Tensor, modality_ids: torch.Tensor) -> list[dict]:
+    """Per row: tokens / concepts in total and per modality, R = tokens / max(concepts, 1) (as
+    ``vlm.outputs.chunk_statistics``: a concept belongs to the modality of its boundary token)."""
+    valid = attention_mask.bool()
+    b = valid if b_BN is None else b_BN.bool() & valid
+    out = []
+    for i in range(valid.shape[0]):
+        tokens, concepts = int(valid[i].sum()), int(b[i].sum())
+        row = {"tokens": tokens, "concepts": concepts, "r": tokens / max(concepts, 1)}
+        row["tokens_by_modality"], row["concepts_by_modality"] = {}, {}
+        for m, name in ((TEXT, "text"), (IMAGE, "image")):
+            in_m = valid[i] & (modality_ids[i] == m)
+            t_m, c_m = int(in_m.sum()), int((b[i] & in_m).sum())
+            row["tokens_by_modality"][str(m)], row["concepts_by_modality"][str(m)] = t_m, c_m
+            row[f"r_{name}"] = t_m / max(c_m, 1) if t_m else None
+        out.append(row)
+    return out
+
+
+def _to_device(batch, device) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def _model_inputs(batch) -> dict:
+    """What ``ConceptMoEVLM.forward`` / ``generate`` take from a processor batch (``num_tokens`` is bookkeeping)."""
+    return {k: v for k, v in batch.items() if k != "num_tokens"}
+
+
+@torch.no_grad()
+def prompt_stats(model, inputs: dict) -> list[dict]:
+    """Per-row stats of one prompt forward (the backbone's boundary mask read by a hook)."""
+    with capture_boundaries(model) as seen:
+        model(**_model_inputs(inputs))
+    return row_stats(seen[0] if seen else None, inputs["attention_mask"], inputs["modality_ids"])
+
+
+def cut_at_stop(text: str, until: list[str]) -> str:
+    """The text before the first occurrence of any stop string."""
+    for stop in until:
+        if stop and stop in text:
+            text = text[: text.index(stop)]
+    return text
+
+
+def generate_batch(model, processor, batch: list[dict], settings: GenSettings, max_patches, device):
+    """(answers, per-row stats) of one batch of prompts; prompts left-padded as generation requires."""
+    with image_budget(processor, max_patches):
+        inputs = processor(
+            text=[it["prompt"] for it in batch], images=[it["images"] for it in batch], padding_side="left"
+        )
+    inputs = _to_device(inputs, device)
+    tok = processor.tokenizer
+    eos_id, pad_id = tok.eos_token_id, processor.pad_token_id
+    kwargs = {"max_new_tokens": settings.max_new_tokens, "do_sample": settings.temperature > 0}
+    if settings.temperature > 0:
+        kwargs |= {"temperature": settings.temperature, "top_p": settings.top_p}
+    with torch.no_grad(), capture_boundaries(model) as seen:  # seen[0]: the prefill, i.e. the prompt's boundaries
+        out = model.generate(**_model_inputs(inputs), **kwargs, eos_token_id=eos_id, pad_token_id=pad_id)
+    stats = row_stats(seen[0] if seen else None, inputs["attention_mask"], inputs["modality_ids"])
+    new = out[:, inputs["input_ids"].shape[1] :]
+    texts = tok.batch_decode(new.tolist(), skip_special_tokens=True)
+    return [cut_at_stop(t, settings.until).strip() for t in texts], stats
+
+
+@torch.no_grad()
+def loglikelihood_batch(model, processor, batch: list[dict], max_patches, device):
+    """Per item (sum log p(continuation tokens | context), greedy?) and per-row stats of the full forward.
+
+    Context and continuation are tokenised apart (no merge across the seam); an empty context starts from EOS.
+    """
+    tok = processor.tokenizer
+    with image_budget(processor, max_patches):
+        enc = processor(
+            text=[it["prompt"] for it in batch], images=[it["images"] for it in batch], padding_side="right"
+        )
+    n_suffix = len(processor.suffix_ids)
+    rows, spans = [], []
+    for i, it in enumerate(batch):
+        n = int(enc["attention_mask"][i].sum())
+        ctx = enc["input_ids"][i, : n - n_suffix].tolist()
+        mods = enc["modality_ids"][i, : n - n_suffix].tolist()
+        if not ctx:
+            ctx, mods = [tok.eos_token_id if tok.eos_token_id is not None else processor.pad_token_id], [TEXT]
+        cont = tok(it["continuation"], add_special_tokens=False)["input_ids"]
+        rows.append((ctx + cont, mods + [TEXT] * len(cont)))
+        spans.append((len(ctx), len(cont)))
+    width = max(len(r[0]) for r in rows)
+    ids = torch.full((len(rows), width), processor.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    modality = torch.zeros_like(ids)
+    for i, (row_ids, row_mods) in enumerate(rows):
+        ids[i, : len(row_ids)] = torch.tensor(row_ids)
+        mask[i, : len(row_ids)] = 1
+        modality[i, : len(row_ids)] = torch.tensor(row_mods)
+    inputs = _model_inputs(enc) | {"input_ids": ids, "attention_mask": mask, "modality_ids": modality}
+    inputs = _to_device(inputs, device)
+    with capture_boundaries(model) as seen:
+        logits = model(**inputs).logits.float()
+    logprobs = torch.log_softmax(logits, -1)
+    scores = []
+    for i, (start, length) in enumerate(spans):
+        if length == 0:
+            scores.append((0.0, True))
+            continue
+        target = inputs["input_ids"][i, start : start + length]
+        lp = logprobs[i, start - 1 : start - 1 + length]
+        total = float(lp.gather(-1, target[:, None]).sum())
+        scores.append((total, bool((lp.argmax(-1) == target).all())))
+    stats = row_stats(seen[0] if seen else None, inputs["attention_mask"], inputs["modality_ids"])
+    return scores, stats

@@ -1,0 +1,257 @@
+"""Reading the inputs of the R report (``eval.r_report``): training ``metrics.jsonl``, per-sample evaluation records
+(the lmms-eval plugin's ``r_stats_<task>.jsonl``), lmms-eval's ``*_results.json`` and ``*_samples_<task>.jsonl``.
+Malformed lines are skipped and counted, never fatal; unusable input raises ``ReportInputError``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+MODALITIES = {"text": ("0", "text"), "image": ("1", "image")}  # keys accepted in the *_by_modality dicts
+SERIES = ("r", "r_text", "r_image")
+TRAIN_SCALARS = ("loss", "lm_loss", "ratio_loss", "balance_loss", "z_loss", "tokens_per_s", "lr")
+SCORE_DICT_KEYS = ("scores", "metrics")  # per-sample dicts of metric -> value
+TAIL_FRACTION = 0.1
+MAX_SKIPPED_LISTED = 20
+SAMPLE_LOG = re.compile(r"_samples_(?P<task>.+)\.jsonl$")  # lmms-eval's per-sample log of one task
+SAMPLE_LOG_SKIP = {"doc_id", "doc_hash", "token_counts"}  # numeric fields of a sample log that are no score
+
+
+class ReportInputError(ValueError):
+    """Input that cannot give a report (missing path, nothing readable); the message is one line."""
+
+
+@dataclass
+class Records:
+    """Everything read from the input, each record already normalised (see ``_ratios``)."""
+
+    steps: list[dict] = field(default_factory=list)  # training steps, one per step, sorted by step
+    train_evals: list[dict] = field(default_factory=list)  # eval records of a training log
+    samples: list[dict] = field(default_factory=list)  # per-sample evaluation records
+    results: dict[str, dict[str, float]] = field(default_factory=dict)  # task -> metric -> value (*_results.json)
+    sources: list[str] = field(default_factory=list)
+    name: str = ""  # shown in plot titles: the run folder or file name
+    skipped_lines: int = 0
+    skipped_at: list[str] = field(default_factory=list)  # "file:line" of the first skipped lines
+    ignored_records: int = 0  # valid JSON objects that are neither a step nor a sample (e.g. lmms-eval sample logs)
+    duplicate_steps: int = 0  # steps logged twice (a resumed run); the later record wins
+    joined_scores: int = 0  # samples that got per-sample scores from an lmms-eval sample log
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reading
+
+
+def _num(x) -> float | None:
+    """A finite number, or None (null, missing, bool, string, NaN/inf)."""
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def _by_modality(d, modality: str) -> float | None:
+    if not isinstance(d, dict):
+        return None
+    for key in MODALITIES[modality]:
+        if key in d:
+            return _num(d[key])
+    return None
+
+
+def _r_from_counts(tokens: float | None, concepts: float | None) -> float | None:
+    """R = tokens / max(concepts, 1) as ``chunk_statistics`` computes it; None without tokens."""
+    if tokens is None or concepts is None or tokens <= 0:
+        return None
+    return tokens / max(concepts, 1.0)
+
+
+def _ratios(rec: dict) -> dict:
+    """R total / text / image and the counts behind them, from whichever form the record carries.
+
+    Explicit ratios win; otherwise ``r_by_modality``; otherwise counts (``tokens_by_modality`` /
+    ``concepts_by_modality`` or flat ``tokens_text`` / ``concepts_text`` ...).
+    """
+    tokens_by, concepts_by = rec.get("tokens_by_modality"), rec.get("concepts_by_modality")
+    out = {}
+    for modality in MODALITIES:
+        t = _num(rec.get(f"tokens_{modality}"))
+        c = _num(rec.get(f"concepts_{modality}"))
+        t = t if t is not None else _by_modality(tokens_by, modality)
+        c = c if c is not None else _by_modality(concepts_by, modality)
+        r = _num(rec.get(f"r_{modality}"))
+        r = r if r is not None else _by_modality(rec.get("r_by_modality"), modality)
+        out[f"tokens_{modality}"], out[f"concepts_{modality}"] = t, c
+        out[f"r_{modality}"] = r if r is not None else _r_from_counts(t, c)
+
+    tokens, concepts = _num(rec.get("tokens")), _num(rec.get("concepts"))
+    if tokens is None and isinstance(tokens_by, dict):
+        tokens = sum(v for v in map(_num, tokens_by.values()) if v is not None)
+    if concepts is None and isinstance(concepts_by, dict):
+        concepts = sum(v for v in map(_num, concepts_by.values()) if v is not None)
+    r = _num(rec.get("r"))
+    out["tokens"], out["concepts"] = tokens, concepts
+    out["r"] = r if r is not None else _r_from_counts(tokens, concepts)
+    return out
+
+
+def _is_train_eval(rec: dict) -> bool:
+    return rec.get("split") == "eval" or any(k.startswith("eval_") for k in rec)
+
+
+def _sample_scores(rec: dict, metric_names: set[str]) -> dict[str, float]:
+    """Per-sample scores: ``score``, the ``scores`` / ``metrics`` dicts, and fields named like a results metric."""
+    scores = {}
+    for key in SCORE_DICT_KEYS:
+        if isinstance(rec.get(key), dict):
+            scores.update({k: v for k, v in ((k, _num(v)) for k, v in rec[key].items()) if v is not None})
+    for key in {"score"} | metric_names:
+        v = _num(rec.get(key))
+        if v is not None:
+            scores[key] = v
+    return scores
+
+
+def _read_jsonl(path: Path, records: Records) -> list[dict]:
+    """JSON objects of a JSONL file; malformed lines (and non-object values) are skipped, counted and logged."""
+    objects = []
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+                if not isinstance(obj, dict):
+                    raise ValueError(f"a JSON {type(obj).__name__}, not an object")
+            except ValueError as e:
+                why = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e)
+                records.skipped_lines += 1
+                if len(records.skipped_at) < MAX_SKIPPED_LISTED:
+                    records.skipped_at.append(f"{path}:{lineno}")
+                logger.warning("%s:%d: skipped malformed line (%s)", path, lineno, why)
+                continue
+            objects.append(obj)
+    return objects
+
+
+def _read_results(path: Path) -> dict[str, dict[str, float]]:
+    """lmms-eval's ``{"results": {task: {"metric,filter": value, ...}}}`` -> task -> metric -> value.
+
+    The filter suffix ``,none`` is dropped; stderr entries, aliases and non-numeric values are left out.
+    """
+    try:
+        data = json.loads(path.read_text(encoding="utf-8", errors="replace"))
+    except ValueError as e:
+        logger.warning("%s: skipped, not valid JSON (%s)", path, str(e).splitlines()[0])
+        return {}
+    tasks = data.get("results") if isinstance(data, dict) else None
+    if not isinstance(tasks, dict):
+        logger.warning("%s: skipped, no 'results' object", path)
+        return {}
+    out = {}
+    for task, metrics in tasks.items():
+        if not isinstance(metrics, dict):
+            continue
+        for key, value in metrics.items():
+            name = key.removesuffix(",none")
+            value = _num(value)
+            if value is None or "_stderr" in name or name == "alias":
+                continue
+            out.setdefault(task, {})[name] = value
+    return out
+
+
+def _logged_scores(rec: dict) -> dict[str, float]:
+    """The plain numeric metric fields of one lmms-eval sample-log line (bucket dicts are left out)."""
+    return {k: v for k, v in ((k, _num(v)) for k, v in rec.items() if k not in SAMPLE_LOG_SKIP) if v is not None}
+
+
+def _join_logged_scores(records: Records, logged: dict) -> None:
+    """Per-sample scores of lmms-eval's sample logs onto the records with the same (task, doc_id); a score the
+    record carries itself wins."""
+    for sample in records.samples:
+        scores = logged.get((sample["task"], sample["doc_id"]))
+        if scores:
+            sample["scores"] = scores | sample["scores"]
+            records.joined_scores += 1
+
+
+def load_records(path: str | Path) -> Records:
+    """Read a run folder, an evaluation output folder or one JSONL file.
+
+    A folder is searched recursively for ``*.jsonl`` (metrics and per-sample records) and lmms-eval
+    ``*_results.json`` files. Raises ``ReportInputError`` when the path is missing or holds no usable record.
+    """
+    path = Path(path)
+    records = Records(name=path.resolve().name if path.is_dir() else path.name)
+    if path.is_dir():
+        jsonl_files = sorted(p for p in path.rglob("*.jsonl") if p.is_file())
+        results_files = sorted(p for p in path.rglob("*_results.json") if p.is_file())
+        if not jsonl_files:
+            raise ReportInputError(f"{path}: no *.jsonl file in this folder (expected metrics.jsonl or *.jsonl)")
+    elif path.is_file():
+        jsonl_files, results_files = [path], []
+    else:
+        raise ReportInputError(f"{path}: no such file or folder")
+
+    for results_file in results_files:  # sorted: a later (timestamped) results file overrides an earlier one
+        for task, metrics in _read_results(results_file).items():
+            records.results.setdefault(task, {}).update(metrics)
+        records.sources.append(str(results_file))
+
+    steps_by_number: dict[int | float, dict] = {}
+    logged_scores: dict[tuple[str, object], dict[str, float]] = {}
+    try:
+        for jsonl in jsonl_files:
+            records.sources.append(str(jsonl))
+            log_task = SAMPLE_LOG.search(jsonl.name)
+            for rec in _read_jsonl(jsonl, records):
+                if log_task and "task" not in rec and "doc_id" in rec:
+                    logged_scores[(log_task["task"], rec["doc_id"])] = _logged_scores(rec)
+                    records.ignored_records += 1  # not a record of its own: only joined to the plugin's records
+                elif "task" in rec:
+                    task = str(rec["task"])
+                    sample = {"task": task, "dataset": rec.get("dataset"), "doc_id": rec.get("doc_id")}
+                    sample["group"] = None if rec.get("group") is None else str(rec["group"])
+                    sample["scores"] = _sample_scores(rec, set(records.results.get(task, {})))
+                    records.samples.append(sample | _ratios(rec))
+                elif _is_train_eval(rec):
+                    records.train_evals.append(rec)
+                elif _num(rec.get("step")) is not None:
+                    step = _num(rec["step"])
+                    step = int(step) if step.is_integer() else step
+                    records.duplicate_steps += step in steps_by_number
+                    scalars = {k: _num(rec.get(k)) for k in TRAIN_SCALARS}
+                    steps_by_number[step] = {"step": step, "target_r": _num(rec.get("target_r"))} | scalars
+                    steps_by_number[step] |= _ratios(rec)
+                else:
+                    records.ignored_records += 1
+    except OSError as e:
+        raise ReportInputError(f"{path}: cannot read ({e.strerror or e})") from None
+    records.steps = [steps_by_number[s] for s in sorted(steps_by_number)]
+    _join_logged_scores(records, logged_scores)
+
+    if records.duplicate_steps:
+        logger.warning(
+            "%s: %d steps logged more than once (resumed run?); kept the later record", path, records.duplicate_steps
+        )
+    if records.ignored_records:
+        logger.info(
+            "%s: ignored %d records that are neither a training step nor a sample", path, records.ignored_records
+        )
+    if not records.steps and not records.samples:
+        what = f"{records.skipped_lines} malformed lines skipped, " if records.skipped_lines else ""
+        raise ReportInputError(
+            f"{path}: no training step or evaluation record to report ({what}{records.ignored_records} other records)"
+        )
+    return records
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Summaries

@@ -1,0 +1,57 @@
+"""Generate the local evaluation data of the lmms-eval tasks (cmoe_longdoc, cmoe_niah, cmoe_refloc).
+
+    python scripts/make_eval_data.py [--out eval/tasks] [--seed 0] [--tasks cmoe_niah,...] [sizes ...]
+
+Writes OUT/<task>/data/{test.jsonl,images/,manifest.json}; with another --out the task YAML and utils.py are
+copied there too, so that `lmms-eval --include_path OUT` works on its own. See eval/eval_data.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from eval.eval_data import LONGDOC_PAGES, NIAH_LENGTHS, TASKS, TASKS_DIR, write_eval_sets
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(TASKS_DIR), help="folder of the task folders (default: eval/tasks)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated subset of {','.join(TASKS)}")
+    parser.add_argument("--longdoc-per-bucket", type=int, default=20, help="documents per page count")
+    parser.add_argument("--longdoc-pages", type=_ints, default=list(LONGDOC_PAGES), help="page counts, e.g. 1,4,16")
+    parser.add_argument("--niah-per-bucket", type=int, default=44, help="haystacks per length (22 = one grid)")
+    parser.add_argument("--niah-lengths", default=",".join(NIAH_LENGTHS), help="subset of short,medium,long")
+    parser.add_argument("--refloc-n", type=int, default=200, help="scenes (one expression each)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    start = time.time()
+    try:
+        manifests = write_eval_sets(
+            args.out,
+            seed=args.seed,
+            tasks=[t for t in args.tasks.split(",") if t],
+            longdoc_per_bucket=args.longdoc_per_bucket,
+            longdoc_pages=args.longdoc_pages,
+            niah_per_bucket=args.niah_per_bucket,
+            niah_lengths=[n for n in args.niah_lengths.split(",") if n],
+            refloc_n=args.refloc_n,
+        )
+    except ValueError as err:
+        print(f"make_eval_data: error: {err}", file=sys.stderr)
+        return 2
+    for task, m in manifests.items():
+        print(f"{task}: {m['docs']} docs -> {args.out}/{task}/data/test.jsonl")
+    print(f"done in {time.time() - start:.1f}s; run: lmms-eval --model conceptmoe --include_path {args.out} ...")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,99 @@
+"""The plugin in process: batched log-likelihoods against a direct computation, chunking overrides, bad docs."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from PIL import Image
+
+from eval import lmms_generation as gen
+from eval.lmms_plugin import ConceptMoELMMs, manifests, output_path_from_argv
+from eval.ppl import evaluate_ppl, windows
+
+
+@pytest.fixture(scope="module")
+def plugin(tiny_checkpoint, tmp_path_factory):
+    return ConceptMoELMMs(pretrained=str(tiny_checkpoint), stats_dir=str(tmp_path_factory.mktemp("stats")))
+
+
+def _request(context, continuation, images=None, doc_id=0):
+    visual = None if images is None else (lambda doc: images)
+    return SimpleNamespace(args=(context, continuation, visual, doc_id, "t", "test"))
+
+
+def test_manifest_and_argv():
+    (m,) = manifests()
+    assert m.model_id == "conceptmoe" and m.simple_class_path == "eval.lmms_plugin.ConceptMoELMMs"
+    assert output_path_from_argv(["x", "--output_path", "o"]) == "o"
+    assert output_path_from_argv(["--output_path=p"]) == "p" and output_path_from_argv([]) is None
+
+
+def test_loglikelihood_batched_matches_direct_forward(plugin):
+    plugin.task_dict = {"t": {"test": [{}, {}, {}]}}
+    image = Image.new("RGB", (64, 48), (200, 30, 30))
+    reqs = [
+        _request("The colour is", " red", [image], 0),
+        _request("A long context about docstrings and", " modules", None, 1),
+        _request("", " hello", None, 2),
+    ]
+    plugin.batch_size = 3
+    batched = plugin.loglikelihood(reqs)
+    plugin.batch_size = 1
+    single = plugin.loglikelihood(reqs)
+    for (a, ga), (b, gb) in zip(batched, single):
+        assert a == pytest.approx(b, abs=1e-4) and ga == gb and a < 0
+    # direct: tokens of " modules" after the context, from one unpadded forward
+    tok, model = plugin.processor.tokenizer, plugin.model
+    ctx = tok("A long context about docstrings and", add_special_tokens=False)["input_ids"]
+    cont = tok(" modules", add_special_tokens=False)["input_ids"]
+    ids = torch.tensor([ctx + cont])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits.float(), -1)[0]
+    direct = sum(float(logp[len(ctx) - 1 + i, t]) for i, t in enumerate(cont))
+    assert batched[1][0] == pytest.approx(direct, abs=1e-4)
+
+
+def test_bad_doc_is_skipped_and_counted(plugin):
+    def broken(doc):
+        raise FileNotFoundError("image /x/y.png cannot be read (FileNotFoundError)")
+
+    plugin.task_dict = {"t": {"test": [{}]}}
+    req = SimpleNamespace(args=("ctx", {"max_new_tokens": 2}, broken, 0, "t", "test"))
+    assert plugin.generate_until([req]) == [""]
+    assert plugin.failures["t"] >= 1
+    with pytest.raises(NotImplementedError):
+        plugin.generate_until_multi_round([req])
+
+
+def test_generation_stops_and_records_stats(plugin):
+    plugin.task_dict = {"t": {"test": [{"group": "g"}, {"group": "g"}]}}
+    reqs = [
+        SimpleNamespace(args=("Hello", {"max_new_tokens": 3, "until": ["\n"]}, None, 0, "t", "test")),
+        SimpleNamespace(args=("A longer prompt here", {"max_new_tokens": 3, "until": ["\n"]}, None, 1, "t", "test")),
+    ]
+    plugin.batch_size = 2
+    out = plugin.generate_until(reqs)
+    assert len(out) == 2 and all(isinstance(o, str) and "\n" not in o for o in out)
+    lines = (plugin.stats_dir / "r_stats_t.jsonl").read_text().splitlines()
+    assert len(lines) >= 2 and '"group": "g"' in lines[-1]
+    assert gen.cut_at_stop("abc\ndef</s>", ["\n"]) == "abc"
+
+
+def test_chunking_overrides(tiny_checkpoint):
+    p = ConceptMoELMMs(pretrained=str(tiny_checkpoint), chunking="fixed", target_r="4", record_stats="false")
+    assert p.model.language_model.model.config.chunking == "fixed"
+    inputs = p.processor(text=["one two three four five six seven eight nine ten eleven twelve"])
+    (stats,) = gen.prompt_stats(p.model, inputs)
+    assert stats["concepts"] == math.ceil(stats["tokens"] / 4)  # a boundary every 4 tokens, exactly
+    with pytest.raises(ValueError, match="chunking"):
+        ConceptMoELMMs(pretrained=str(tiny_checkpoint), chunking="none")
+    with pytest.raises(FileNotFoundError):
+        ConceptMoELMMs(pretrained="/nonexistent/ckpt")
+
+
+def test_ppl_on_text(tiny_checkpoint):
+    assert windows([5, 6, 7], 1, 2) == [[1, 5, 6], [6, 7]]
+    out = evaluate_ppl(str(tiny_checkpoint), seq_len=16, texts=["def f(x):\n    return x + 1\n" * 4, "Hello."])
+    assert out["predicted_tokens"] > 0 and 0 < out["bits_per_token"] < 20
+    assert out["ppl"] == pytest.approx(2 ** out["bits_per_token"], rel=1e-6) and out["r"] >= 1
