@@ -13,6 +13,7 @@ SCHEMA: dict[str, dict[str, tuple]] = {
     "model": {
         "preset": ("tiny", (str,)),
         "overrides": ({}, (dict,)),
+        "init_from": (None, (str, type(None))),  # a local checkpoint: a ConceptMoEVLM, or a text ConceptMoE (CT)
     },
     "data": {
         "shards": (REQUIRED, (list, str)),

@@ -10,12 +10,14 @@ import os
 import random
 import socket
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from training import checkpoint
+from training.config import ConfigError
 from training.metrics import MetricsWriter, StepStats
 from vlm.trainer import TrainSettings, lr_at
 
@@ -59,8 +61,51 @@ def setup_distributed() -> None:
             os.environ.setdefault(key, value)
 
 
+# What ``model.overrides`` may change on a loaded checkpoint (training-time fields; never a weight shape).
+INIT_OVERRIDABLE = (
+    "target_r", "ratio_loss_weight", "noise_tau", "balance_loss_weight", "router_z_loss_weight",
+    "target_r_by_modality", "ratio_loss_modality_weights",
+)  # fmt: skip
+
+
+def init_from_checkpoint(config: dict, processor):
+    """``model.init_from``: a ``ConceptMoEVLM`` folder (training continues from it), or a text-only
+    ``ConceptMoEForCausalLM`` folder — e.g. a converted MoE (``scripts/convert_to_conceptmoe.py``) — which gets a
+    fresh vision tower and projector (``ConceptMoEVLM.from_text_model``, the paper's recipe)."""
+    from vlm import ConceptMoEVLM
+
+    path = Path(config["model"]["init_from"])
+    try:
+        model_type = json.loads((path / "config.json").read_text())["model_type"]
+    except (OSError, ValueError, KeyError) as err:
+        raise ConfigError(f"model.init_from={str(path)!r} is not a saved model folder ({type(err).__name__})") from None
+    if model_type == ConceptMoEVLM.config_class.model_type:
+        model = ConceptMoEVLM.from_pretrained(str(path))
+        if model.config.image_token_id != processor.image_token_id:
+            raise ConfigError(
+                f"model.init_from has image_token_id {model.config.image_token_id} but the tokenizer's <image> is "
+                f"{processor.image_token_id}: set data.tokenizer to the checkpoint's tokenizer"
+            )
+    elif model_type == "conceptmoe":
+        model = ConceptMoEVLM.from_text_model(
+            str(path), image_token_id=processor.image_token_id, max_patches=config["data"]["max_patches"]
+        )
+    else:
+        raise ConfigError(f"model.init_from={str(path)!r} holds a {model_type!r} model, not a ConceptMoE one")
+    for name, value in config["model"]["overrides"].items():
+        if name not in INIT_OVERRIDABLE:
+            raise ConfigError(
+                f"model.overrides.{name} cannot change a loaded checkpoint (model.init_from); allowed: "
+                + ", ".join(INIT_OVERRIDABLE)
+            )
+        for cfg in (model.config.text_config, model.language_model.config):
+            setattr(cfg, name, value)
+    return model
+
+
 def build_model(config: dict):
-    """The model and its processor from ``model.preset`` / ``model.overrides`` and the tokenizer."""
+    """The model and its processor from ``model.preset`` / ``model.overrides`` (or ``model.init_from``) and the
+    tokenizer."""
     from data_pipelines import load_tokenizer
     from vision_tower import ImageProcessor
     from vlm import ConceptMoEVLM, VLMProcessor
@@ -68,6 +113,8 @@ def build_model(config: dict):
     data = config["data"]
     processor = VLMProcessor(load_tokenizer(data["tokenizer"]), ImageProcessor(max_patches=data["max_patches"]))
     torch.manual_seed(config["train"]["seed"])  # identical initial weights on every rank
+    if config["model"]["init_from"]:
+        return init_from_checkpoint(config, processor), processor
     model = ConceptMoEVLM.from_preset(
         config["model"]["preset"],
         image_token_id=processor.image_token_id,

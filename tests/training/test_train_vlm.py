@@ -201,3 +201,35 @@ def test_kill_9_then_resume_auto_gives_identical_losses(shards, tmp_path, launch
     got, want = step_records(run), step_records(reference)
     assert sorted(got) == sorted(want) == list(range(1, 7))
     assert [got[s]["loss"] for s in got] == [want[s]["loss"] for s in want]
+
+
+def test_init_from_a_text_checkpoint_or_a_vlm_checkpoint(shards, tmp_path):
+    """``model.init_from``: a text-only ConceptMoE (e.g. a converted MoE) gets a fresh vision tower, a VLM folder
+    is continued as it is; only training-time fields may be overridden; a real run trains from it."""
+    from data_pipelines import load_tokenizer
+    from vlm import ConceptMoEConfig, ConceptMoEForCausalLM
+
+    torch.manual_seed(3)
+    text = ConceptMoEForCausalLM(ConceptMoEConfig.from_preset("tiny", vocab_size=len(load_tokenizer()),
+                                                              router_init="random"))  # fmt: skip
+    text.save_pretrained(tmp_path / "text")
+    base = [f"data.shards=[{shards / 'train'}]", f"model.init_from={tmp_path / 'text'}"]
+    config = load_config(str(TINY), base + ["model.overrides={target_r: 1.5}"])
+    model, processor = build_model(config)
+    assert model.config.image_token_id == processor.image_token_id
+    assert model.language_model.config.target_r == 1.5
+    for name, value in text.state_dict().items():
+        assert torch.equal(model.language_model.state_dict()[name], value), name
+    model.save_pretrained(tmp_path / "vlm")
+    again, _ = build_model(load_config(str(TINY), [base[0], f"model.init_from={tmp_path / 'vlm'}"]))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+    with pytest.raises(ConfigError, match="d_model"):
+        build_model(load_config(str(TINY), base + ["model.overrides={d_model: 8}"]))
+    with pytest.raises(ConfigError, match="not a saved model folder"):
+        build_model(load_config(str(TINY), [base[0], f"model.init_from={tmp_path / 'missing'}"]))
+    run = tmp_path / "run"
+    proc = subprocess.run(train_cmd(run, shards, max_steps=2, save_every=2, export="false")
+                          + ["--set", f"model.init_from={tmp_path / 'text'}"], capture_output=True, text=True,
+                          env=env(), timeout=240, cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(step_records(run)) == [1, 2]
