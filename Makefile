@@ -31,10 +31,12 @@ $(STAMP): pyproject.toml | $(BIN)/python
 test: venv
 	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/python -m pytest -q tests
 
-# The main job, end to end on CPU (~7 min on 2 cores): synthetic shards -> 2-process DeepSpeed training of the
-# `small` VLM -> HF export -> per-modality R report.
+# The main job, end to end on CPU (~8 min on 2 cores): synthetic shards -> 2-process DeepSpeed training of the
+# `small` VLM -> HF export -> per-modality R report -> lmms-eval on the three local tasks (a few docs each, through
+# the conceptmoe plugin and the cached generate()) -> per-task R report.
 DEMO_DATA := data/demo
 DEMO_RUN := runs/demo
+EVAL_TASKS := cmoe_longdoc,cmoe_niah,cmoe_refloc
 demo: venv
 	test -f $(DEMO_DATA)/train/manifest.json || $(BIN)/python scripts/make_shards.py \
 		--synthetic scenes,documents,needles,text --out $(DEMO_DATA) --num-samples 400 --seed 0
@@ -42,11 +44,18 @@ demo: venv
 	$(BIN)/deepspeed --num_gpus 2 scripts/train_vlm.py --config scripts/configs/small.yaml \
 		--deepspeed scripts/configs/zero2.json --out $(DEMO_RUN)
 	$(BIN)/python scripts/r_report.py $(DEMO_RUN)
+	test -f eval/tasks/cmoe_refloc/data/test.jsonl || $(BIN)/python scripts/make_eval_data.py \
+		--longdoc-pages 1,4 --longdoc-per-bucket 4 --niah-lengths short --refloc-n 32
+	$(BIN)/python -m lmms_eval --model conceptmoe --model_args pretrained=$(DEMO_RUN)/hf --tasks $(EVAL_TASKS) \
+		--include_path eval/tasks --batch_size 4 --limit 8 --output_path $(DEMO_RUN)/eval --log_samples \
+		--verbosity DEBUG
+	$(BIN)/python scripts/r_report.py $(DEMO_RUN)/eval
 	@echo "shards:        $(DEMO_DATA)/{train,eval} (manifest.json in each)"
 	@echo "metrics:       $(DEMO_RUN)/metrics.jsonl (TensorBoard: $(DEMO_RUN)/tb)"
 	@echo "checkpoints:   $(DEMO_RUN)/checkpoints (resume: add --resume auto)"
 	@echo "HF export:     $(DEMO_RUN)/hf (AutoModelForImageTextToText / VLMProcessor.from_pretrained)"
 	@echo "R report:      $(DEMO_RUN)/r_report.json, $(DEMO_RUN)/r_report.png"
+	@echo "lmms-eval:     $(DEMO_RUN)/eval (results, samples, r_stats_<task>.jsonl; R per task: r_report.json / .png)"
 
 # The backbone alone: ConceptMoE vs its matched MoE on local text (~2 min).
 demo-backbone: venv

@@ -24,8 +24,9 @@ import statistics
 import time
 
 import torch
+from transformers import AutoConfig
 
-from vlm import ConceptMoEConfig, ConceptMoEForCausalLM
+from vlm import ConceptMoEConfig, ConceptMoEForCausalLM, ConceptMoEVLM
 from vlm.flops import match, match_report
 from vlm.inference_cost import ideal_decode_speedup, ideal_kv_ratio, ideal_prefill_speedup, measure_device
 
@@ -47,8 +48,10 @@ def build_models(args, device: torch.device, dtype: torch.dtype) -> tuple[Concep
 
     def load(cfg_or_dir) -> ConceptMoEForCausalLM:
         torch.manual_seed(0)
-        if isinstance(cfg_or_dir, str):
-            model = ConceptMoEForCausalLM.from_pretrained(cfg_or_dir)
+        if isinstance(cfg_or_dir, str):  # a ConceptMoEForCausalLM folder, or a VLM export (its language model)
+            is_vlm = AutoConfig.from_pretrained(cfg_or_dir).model_type == ConceptMoEVLM.config_class.model_type
+            model = (ConceptMoEVLM.from_pretrained(cfg_or_dir).language_model if is_vlm
+                     else ConceptMoEForCausalLM.from_pretrained(cfg_or_dir))  # fmt: skip
         else:
             model = ConceptMoEForCausalLM(cfg_or_dir)
         return model.to(device=device, dtype=dtype).eval()
@@ -212,7 +215,11 @@ def ints(text: str) -> list[int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="small-moe", help="baseline preset (the candidates are matched to it)")
-    parser.add_argument("--checkpoint", help="a trained ConceptMoEForCausalLM directory (replaces the matched pairs)")
+    parser.add_argument(
+        "--checkpoint",
+        help="a trained ConceptMoEForCausalLM or ConceptMoEVLM export (replaces the "
+        "matched pairs; the baseline is --preset, e.g. small-moe for a small checkpoint)",
+    )
     parser.add_argument("--chunking", choices=("fixed", "dynamic"), default="fixed")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")

@@ -18,7 +18,6 @@ import torch
 from transformers import GenerationMixin
 
 from vlm.cache import ConceptMoECache
-from vlm.chunking import Concepts
 from vlm.layers import SeqLayout
 
 
@@ -45,7 +44,6 @@ def fill_prefill_state(
     layout: SeqLayout,
     h_BND: torch.Tensor,
     b_BN: torch.Tensor | None = None,
-    concepts: Concepts | None = None,
     ema_BMD: torch.Tensor | None = None,
     merge: str = "sum",
 ) -> None:
@@ -69,8 +67,6 @@ def fill_prefill_state(
     rows_B = torch.arange(b, device=h_BND.device)
     cache.ema_BD = ema_BMD.float()[rows_B, (n_concepts_B - 1).clamp_min(0)]
     cache.n_concepts_B = n_concepts_B
-    for layer in cache.concept:
-        layer.for_rows(None)
 
 
 def _step_layout(pos_R: torch.Tensor, key_valid_RT: torch.Tensor) -> SeqLayout:

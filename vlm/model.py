@@ -233,24 +233,26 @@ class ConceptMoEModel(ConceptMoEPreTrainedModel):
         if use_cache or cache is not None:
             check_prefill(layout)
             cache = cache if cache is not None else new_cache(self)
-        kv = dict(encoder=None, concept=None, decoder=None) if cache is None else vars(cache)
+        enc_kv = concept_kv = dec_kv = None
+        if cache is not None:
+            enc_kv, concept_kv, dec_kv = cache.encoder, cache.concept, cache.decoder
 
-        h_BND, router_stats = self.encoder(h_BND, layout, kv=kv["encoder"])
+        h_BND, router_stats = self.encoder(h_BND, layout, kv=enc_kv)
         chunk, aux = None, {}
         if not self.config.chunked:
             if cache is not None:
                 fill_prefill_state(cache, layout, h_BND)
-            h_BND, stats = self.concept_model(h_BND, layout, kv=kv["concept"])
-            h_BND, dec_stats = self.decoder(h_BND, layout, kv=kv["decoder"])
+            h_BND, stats = self.concept_model(h_BND, layout, kv=concept_kv)
+            h_BND, dec_stats = self.decoder(h_BND, layout, kv=dec_kv)
         else:
             chunk = self.chunk(h_BND, layout)
             concepts = chunk_to_concepts(h_BND, chunk, layout, self.config.merge)
-            c_BMD, stats = self.concept_forward(concepts.c_BMD, concepts.layout, kv=kv["concept"])
+            c_BMD, stats = self.concept_forward(concepts.c_BMD, concepts.layout, kv=concept_kv)
             ema_BMD = ema_over_concepts(c_BMD, concepts.p_BM)
             if cache is not None:
-                fill_prefill_state(cache, layout, h_BND, chunk.b_BN, concepts, ema_BMD, self.config.merge)
+                fill_prefill_state(cache, layout, h_BND, chunk.b_BN, ema_BMD, self.config.merge)
             dechunked = plug_back(h_BND, ema_BMD, chunk.p_BN, chunk.b_BN)
-            h_BND, dec_stats = self.decoder(dechunked.z_BND, layout, dechunked.concept_BND, kv=kv["decoder"])
+            h_BND, dec_stats = self.decoder(dechunked.z_BND, layout, dechunked.concept_BND, kv=dec_kv)
             if self.config.chunking == "dynamic":
                 aux["ratio_loss"] = self.ratio_objective(chunk, layout, modality_ids)
         router_stats += stats + dec_stats

@@ -192,3 +192,11 @@ def test_vlm_prompt_ending_on_an_image_closes_the_image_span(processor):
                  modality_ids=torch.cat([batch["modality_ids"], torch.zeros_like(nxt)], 1),
                  **{k: batch[k] for k in ("patches", "patch_coord", "patch_valid", "grid_hw")})  # fmt: skip
     assert torch.allclose(step.logits[:, -1], full.logits[:, -1], atol=1e-4)
+
+
+@torch.no_grad()
+def test_beam_search_reorders_the_cache_like_recomputing_without_one():
+    model = make_lm(merge="last")
+    ids, mask, _ = left_padded_batch([8, 5], total=8, seed=7)
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, num_beams=3, do_sample=False)
+    assert torch.equal(model.generate(ids, **kwargs), model.generate(ids, use_cache=False, **kwargs))
