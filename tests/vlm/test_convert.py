@@ -212,4 +212,4 @@ def test_continual_training_starts_near_the_source_loss_and_reaches_target_r():
     assert abs(sum(h["r"] for h in history[-10:]) / 10 - 1.5) <= 0.25
 
 
-SOURCE_STEPS, CT_STEPS = 80, 30
+SOURCE_STEPS, CT_STEPS = 80, 60
