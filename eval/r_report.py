@@ -100,8 +100,12 @@ def _train_summary(records: Records, target_r: float | None) -> dict:
     out = {"steps": len(steps), "first_step": steps[0]["step"], "last_step": steps[-1]["step"]}
     targets = [s["target_r"] for s in steps if s["target_r"] is not None]
     out["target_r"] = target_r if target_r is not None else (targets[-1] if targets else None)
-    for key in SERIES:
+    tail = steps[-max(1, math.ceil(TAIL_FRACTION * len(steps))) :]
+    for key, suffix in zip(SERIES, ("", "_text", "_image")):
         out[key] = _series_stats([s[key] for s in steps])
+        # summed tokens / summed concepts over the tail: a step with few image tokens and one concept would
+        # otherwise weigh as much as a full one in the mean of per-step ratios
+        out[key]["token_weighted_last_10pct"] = _weighted_r(tail, suffix)
     out["image_to_text_r"] = {
         "mean_last_10pct": _ratio(out["r_image"]["mean_last_10pct"], out["r_text"]["mean_last_10pct"]),
         "mean": _ratio(out["r_image"]["mean"], out["r_text"]["mean"]),
@@ -172,9 +176,12 @@ def summarize(records: Records, target_r: float | None = None) -> dict:
 def _overview(summary: dict) -> str:
     parts = []
     if (train := summary["train"]) is not None:
-        tails = {k: train[k]["mean_last_10pct"] for k in SERIES}
+        tails = {k: train[k]["token_weighted_last_10pct"] or train[k]["mean_last_10pct"] for k in SERIES}
         fmt = {k: "n/a" if v is None else f"{v:.2f}" for k, v in tails.items()}
-        parts.append(f"{train['steps']} steps, R last 10% {fmt['r']} (text {fmt['r_text']}, image {fmt['r_image']})")
+        parts.append(
+            f"{train['steps']} steps, R last 10% (tokens / concepts) {fmt['r']} (text {fmt['r_text']}, "
+            f"image {fmt['r_image']})"
+        )
     if (ev := summary["eval"]) is not None:
         parts.append(f"{ev['samples']} eval samples over {len(ev['tasks'])} tasks")
     if summary["skipped_lines"]:

@@ -187,19 +187,32 @@ def train_step(engine, batches: list[dict], guard: NonFiniteGuard, step: int) ->
 @torch.no_grad()
 def evaluate(engine, loader, n_batches: int) -> dict:
     """Held-out LM loss (nats per predicted token) and bits per token over the first ``n_batches`` of each rank's
-    part of the eval split (the same batches every time), summed over ranks; the global RNG is left untouched."""
+    part of the eval split (the same batches every time), summed over ranks; the global RNG is left untouched.
+
+    Also the eval-mode compression (p >= 0.5, no boundary noise): ``eval_r``, ``eval_r_text``, ``eval_r_image``
+    from token and concept counts summed over batches and ranks (None for a modality without tokens), the R a
+    deployed model runs at, which may drift from the training R (the paper's §4.6)."""
     engine.eval()
     loss_sum, n_tokens = 0.0, 0.0
+    counts = [0.0] * 6  # tokens, concepts: total, text, image
     for batch in next_batches(iter(loader), n_batches):
         with torch.random.fork_rng(devices=[]):
             out = engine(**batch)
         n = float((batch["labels"][:, 1:] != -100).sum())
         loss_sum += out.aux["lm_loss"].item() * n
         n_tokens += n
+        cs = out.chunk_stats
+        for i, (t, c) in enumerate([(cs["tokens"], cs["concepts"])] + [
+            (cs["tokens_by_modality"].get(m, 0), cs["concepts_by_modality"].get(m, 0)) for m in (0, 1)
+        ]):  # fmt: skip
+            counts[2 * i] += t
+            counts[2 * i + 1] += c
     engine.train()
-    loss_sum, n_tokens = _all_reduce([loss_sum, n_tokens])
+    loss_sum, n_tokens, *counts = _all_reduce([loss_sum, n_tokens, *counts])
     loss = loss_sum / max(n_tokens, 1.0)
-    return {"eval_loss": loss, "eval_bits_per_token": loss / math.log(2), "eval_tokens": int(n_tokens)}
+    r = [counts[2 * i] / max(counts[2 * i + 1], 1.0) if counts[2 * i] else None for i in range(3)]
+    return {"eval_loss": loss, "eval_bits_per_token": loss / math.log(2), "eval_tokens": int(n_tokens),
+            "eval_r": r[0], "eval_r_text": r[1], "eval_r_image": r[2]}  # fmt: skip
 
 
 def _seed_everything(seed: int) -> None:

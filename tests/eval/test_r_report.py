@@ -54,6 +54,8 @@ def test_training_summary_matches_hand_computed_values(tmp_path, caplog):
     assert t["target_r"] == 2.0
     assert t["eval"]["records"] == 2 and t["eval"]["last"]["eval_loss"] == 2.0
 
+    # no counts in these records: no token-weighted tail
+    assert all(t[k].pop("token_weighted_last_10pct") is None for k in ("r", "r_text", "r_image"))
     # total R: one 4, two 3, eight 2 -> mean 26/11, var = 66/11 - (26/11)^2 = 50/121
     assert t["r"] == pytest.approx(
         {
@@ -268,3 +270,18 @@ def test_reads_what_the_trainer_logs_even_without_images(tmp_path):
     assert train_summary["r_text"]["mean"] == pytest.approx(sum(h["r"] for h in history) / 4)
     assert train_summary["r_image"]["n"] == 0
     assert (run / "r_report.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_tail_r_pools_counts_rather_than_averaging_step_ratios(tmp_path):
+    """A step with a few image tokens in one concept (R 10) must not weigh like a full one (R 2)."""
+
+    def step(s, image_tokens, image_concepts):
+        return {"step": s, "loss": 1.0, "tokens_by_modality": {"0": 20, "1": image_tokens},
+                "concepts_by_modality": {"0": 10, "1": image_concepts}}  # fmt: skip
+
+    lines = [step(s, 8, 4) for s in range(1, 19)] + [step(19, 10, 1), step(20, 1000, 500)]
+    train = summarize(load_records(_write_lines(tmp_path / "metrics.jsonl", lines)))["train"]
+    assert train["r_image"]["mean_last_10pct"] == pytest.approx((10 + 2) / 2)
+    assert train["r_image"]["token_weighted_last_10pct"] == pytest.approx(1010 / 501)
+    assert train["r_text"]["token_weighted_last_10pct"] == pytest.approx(2.0)
+    assert train["r"]["token_weighted_last_10pct"] == pytest.approx(1050 / 521)

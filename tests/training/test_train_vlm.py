@@ -143,7 +143,9 @@ def test_two_process_deepspeed_zero2_trains_checkpoints_and_logs(shards, tmp_pat
         by_m = rec["tokens_by_modality"]
         assert by_m["0"] + by_m["1"] == rec["tokens"]
         assert rec["r"] == pytest.approx(rec["tokens"] / rec["concepts"])
-    assert any('"split": "eval"' in line for line in (run / "metrics.jsonl").read_text().splitlines())
+    evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"split": "eval"' in line]
+    assert evals and all(e["eval_r"] >= 1.0 and e["eval_r_text"] >= 1.0 for e in evals)  # eval-mode R, no noise
+    assert all(e["eval_r_image"] is None or e["eval_r_image"] >= 1.0 for e in evals)
     ckpt = run / "checkpoints"
     assert (ckpt / "latest_complete").read_text() == "step_00000003"
     assert sorted(p.name for p in (ckpt / "step_00000003").glob("rank_state_*.pt")) == [
