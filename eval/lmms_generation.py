@@ -138,14 +138,6 @@ def _model_inputs(batch) -> dict:
     return {k: v for k, v in batch.items() if k != "num_tokens"}
 
 
-@torch.no_grad()
-def prompt_stats(model, inputs: dict) -> list[dict]:
-    """Per-row stats of one prompt forward (the backbone's boundary mask read by a hook)."""
-    with capture_boundaries(model) as seen:
-        model(**_model_inputs(inputs))
-    return row_stats(seen[0] if seen else None, inputs["attention_mask"], inputs["modality_ids"])
-
-
 def cut_at_stop(text: str, until: list[str]) -> str:
     """The text before the first occurrence of any stop string."""
     for stop in until:

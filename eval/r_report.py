@@ -28,12 +28,12 @@ import math
 import statistics
 from pathlib import Path
 
-from eval.r_report_io import (  # noqa: F401 - re-exported: the public names of the report
+from eval.r_report_io import (
     SERIES,
     TAIL_FRACTION,
     TRAIN_SCALARS,
     Records,
-    ReportInputError,
+    ReportInputError,  # noqa: F401 - re-exported (scripts/r_report.py, tests)
     _num,
     _r_from_counts,
     load_records,

@@ -202,11 +202,11 @@ def evaluate(engine, loader, n_batches: int) -> dict:
         loss_sum += out.aux["lm_loss"].item() * n
         n_tokens += n
         cs = out.chunk_stats
-        for i, (t, c) in enumerate([(cs["tokens"], cs["concepts"])] + [
-            (cs["tokens_by_modality"].get(m, 0), cs["concepts_by_modality"].get(m, 0)) for m in (0, 1)
-        ]):  # fmt: skip
-            counts[2 * i] += t
-            counts[2 * i + 1] += c
+        counts[0] += cs["tokens"]
+        counts[1] += cs["concepts"]
+        for m in (0, 1):  # text, image
+            counts[2 + 2 * m] += cs["tokens_by_modality"].get(m, 0)
+            counts[3 + 2 * m] += cs["concepts_by_modality"].get(m, 0)
     engine.train()
     loss_sum, n_tokens, *counts = _all_reduce([loss_sum, n_tokens, *counts])
     loss = loss_sum / max(n_tokens, 1.0)

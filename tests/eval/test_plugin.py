@@ -83,8 +83,9 @@ def test_generation_stops_and_records_stats(plugin):
 def test_chunking_overrides(tiny_checkpoint):
     p = ConceptMoELMMs(pretrained=str(tiny_checkpoint), chunking="fixed", target_r="4", record_stats="false")
     assert p.model.language_model.model.config.chunking == "fixed"
-    inputs = p.processor(text=["one two three four five six seven eight nine ten eleven twelve"])
-    (stats,) = gen.prompt_stats(p.model, inputs)
+    item = {"prompt": "one two three four five six seven eight nine ten eleven twelve", "images": []}
+    _, (stats,) = gen.generate_batch(p.model, p.processor, [item], gen.GenSettings(until=[], max_new_tokens=1), None,
+                                     p._device)  # fmt: skip
     assert stats["concepts"] == math.ceil(stats["tokens"] / 4)  # a boundary every 4 tokens, exactly
     with pytest.raises(ValueError, match="chunking"):
         ConceptMoELMMs(pretrained=str(tiny_checkpoint), chunking="none")
