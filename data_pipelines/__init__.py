@@ -9,6 +9,7 @@ _LAZY = {
     "write_shards": "data_pipelines.writer",
     "load_manifest": "data_pipelines.writer",
     "load_tokenizer": "data_pipelines.tokenizer",
+    "Modality": "data_pipelines.schema",
     "SampleSchema": "data_pipelines.schema",
     "Sample": "data_pipelines.schema",
     "Segment": "data_pipelines.schema",

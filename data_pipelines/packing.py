@@ -1,7 +1,7 @@
 """Decoded samples -> token documents -> fixed-length packed rows -> the batch ``ConceptMoEVLM.forward`` takes.
 
 A document is ``prefix + segments + suffix + eos``: the tokenizer's own special tokens around it
-(``vlm.processor.special_affixes``: BOS, or [CLS] ... [SEP], or none), each text segment tokenised on its own
+(``data_pipelines.tokenizer.special_affixes``: BOS, or [CLS] ... [SEP], or none), each text segment tokenised on its own
 (a literal ``<image>`` in text stays text), each image a span of ``num_tokens_for(image)`` slots holding
 ``image_token_id`` (``modality_ids == 1``), and one eos unless the suffix already ends with it.
 
@@ -26,10 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from data_pipelines.schema import MAX_IMAGE_PIXELS, Sample, SkipSample, open_image
-from vlm.processor import special_affixes
+from data_pipelines.schema import MAX_IMAGE_PIXELS, Modality, Sample, SkipSample, open_image
+from data_pipelines.tokenizer import special_affixes
 
-TEXT, IMAGE = 0, 1
 IGNORE = -100
 
 
@@ -97,12 +96,12 @@ def encode_sample_tokens(
     """
     enc = tokenizer if isinstance(tokenizer, TokenEncoder) else TokenEncoder(tokenizer)
     ids, images, num_tokens, starts = list(enc.prefix), [], [], []
-    modality = [TEXT] * len(ids)
+    modality = [Modality.TEXT] * len(ids)
     for seg in sample.segments:
         if seg.image is None:
             piece = enc.text_ids(seg.text)
             ids += piece
-            modality += [TEXT] * len(piece)
+            modality += [Modality.TEXT] * len(piece)
             continue
         image = open_image(seg.image, max_image_pixels)
         try:
@@ -113,9 +112,9 @@ def encode_sample_tokens(
         num_tokens.append(n)
         starts.append(len(ids))
         ids += [image_token_id] * n
-        modality += [IMAGE] * n
+        modality += [Modality.IMAGE] * n
     tail = enc.closing()
-    return EncodedDoc(sample.key, ids + tail, modality + [TEXT] * len(tail), images, num_tokens, starts)
+    return EncodedDoc(sample.key, ids + tail, modality + [Modality.TEXT] * len(tail), images, num_tokens, starts)
 
 
 @dataclass
@@ -139,7 +138,7 @@ class Row:
 
     def place(self, doc: EncodedDoc, start: int, stop: int) -> None:
         ids, mods = doc.input_ids[start:stop], doc.modality_ids[start:stop]
-        self.labels += [IGNORE] + [IGNORE if m == IMAGE else t for t, m in zip(ids[1:], mods[1:])]
+        self.labels += [IGNORE] + [IGNORE if m == Modality.IMAGE else t for t, m in zip(ids[1:], mods[1:])]
         self.input_ids += ids
         self.modality_ids += mods
         self.doc_ids += [self.pieces] * len(ids)

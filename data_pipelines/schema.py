@@ -14,6 +14,7 @@ readers count and report.
 
 from __future__ import annotations
 
+import enum
 import io
 import json
 from dataclasses import dataclass, field
@@ -23,6 +24,14 @@ from PIL import Image
 IMAGE_EXTS = ("png", "jpg", "jpeg", "webp")
 SKIP_KINDS = ("truncated_tar", "bad_image", "bad_json", "image_too_large", "too_long", "missing_field")
 MAX_IMAGE_PIXELS = 64_000_000  # above this an image is skipped as image_too_large (decompression-bomb guard)
+
+
+class Modality(enum.IntEnum):
+    """What each token of a packed row is: the ``modality_ids`` of the loader, the processor and the model, and the
+    keys of every per-modality R (``r_by_modality``; ``"0"`` / ``"1"`` once written to JSON)."""
+
+    TEXT = 0
+    IMAGE = 1
 
 
 class SkipSample(Exception):

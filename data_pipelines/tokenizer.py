@@ -40,8 +40,8 @@ from data_pipelines.local_text import load_local_text_corpus
 
 logger = logging.getLogger(__name__)
 
-PAD, EOS, UNK, BOS, IMAGE = "<pad>", "<eos>", "<unk>", "<bos>", "<image>"
-SPECIAL_TOKENS = (PAD, EOS, UNK, BOS, IMAGE)  # this order fixes their ids 0..4
+PAD, EOS, UNK, BOS, IMAGE_TOKEN = "<pad>", "<eos>", "<unk>", "<bos>", "<image>"
+SPECIAL_TOKENS = (PAD, EOS, UNK, BOS, IMAGE_TOKEN)  # this order fixes their ids 0..4
 DEFAULT_VOCAB_SIZE = 8192
 DEFAULT_TOKENIZER_DIR = Path(__file__).resolve().parent / "assets" / "tokenizer"
 BUILD_INFO_FILE = "BUILD_INFO.json"
@@ -72,7 +72,7 @@ def wrap_tokenizer(fast: PreTrainedTokenizerFast) -> PreTrainedTokenizerFast:
         eos_token=EOS,
         unk_token=UNK,
         bos_token=BOS,
-        extra_special_tokens=[IMAGE],
+        extra_special_tokens=[IMAGE_TOKEN],
         clean_up_tokenization_spaces=False,  # decode must give the text back as it was
     )
 
@@ -141,3 +141,13 @@ def load_tokenizer(path: str | os.PathLike | None = None) -> PreTrainedTokenizer
     except (OSError, ValueError, KeyError, TypeError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(f"cannot load a tokenizer from {str(directory)!r}: {first_line}") from err
+
+
+def special_affixes(tokenizer) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer's own post-processor puts before and after a text (BOS; [CLS] / [SEP]; none)."""
+    probe = tokenizer("a", add_special_tokens=False)["input_ids"]
+    full = tokenizer("a", add_special_tokens=True)["input_ids"]
+    for start in range(len(full) - len(probe) + 1):
+        if full[start : start + len(probe)] == probe:
+            return full[:start], full[start + len(probe) :]
+    return [], []

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from data_pipelines.schema import Modality
+
 logger = logging.getLogger(__name__)
 
-TEXT, IMAGE = 0, 1
 CHUNKING_OVERRIDES = ("dynamic", "fixed", "none")
 
 
@@ -112,7 +113,7 @@ def capture_boundaries(model):
 
 def row_stats(b_BN: torch.Tensor | None, attention_mask: torch.Tensor, modality_ids: torch.Tensor) -> list[dict]:
     """Per row: tokens / concepts in total and per modality, R = tokens / max(concepts, 1) (as
-    ``vlm.outputs.chunk_statistics``: a concept belongs to the modality of its boundary token)."""
+    ``vlm.backbone.outputs.chunk_statistics``: a concept belongs to the modality of its boundary token)."""
     valid = attention_mask.bool()
     b = valid if b_BN is None else b_BN.bool() & valid
     out = []
@@ -120,7 +121,7 @@ def row_stats(b_BN: torch.Tensor | None, attention_mask: torch.Tensor, modality_
         tokens, concepts = int(valid[i].sum()), int(b[i].sum())
         row = {"tokens": tokens, "concepts": concepts, "r": tokens / max(concepts, 1)}
         row["tokens_by_modality"], row["concepts_by_modality"] = {}, {}
-        for m, name in ((TEXT, "text"), (IMAGE, "image")):
+        for m, name in ((Modality.TEXT, "text"), (Modality.IMAGE, "image")):
             in_m = valid[i] & (modality_ids[i] == m)
             t_m, c_m = int(in_m.sum()), int((b[i] & in_m).sum())
             row["tokens_by_modality"][str(m)], row["concepts_by_modality"][str(m)] = t_m, c_m
@@ -184,9 +185,9 @@ def loglikelihood_batch(model, processor, batch: list[dict], max_patches, device
         ctx = enc["input_ids"][i, : n - n_suffix].tolist()
         mods = enc["modality_ids"][i, : n - n_suffix].tolist()
         if not ctx:
-            ctx, mods = [tok.eos_token_id if tok.eos_token_id is not None else processor.pad_token_id], [TEXT]
+            ctx, mods = [tok.eos_token_id if tok.eos_token_id is not None else processor.pad_token_id], [Modality.TEXT]
         cont = tok(it["continuation"], add_special_tokens=False)["input_ids"]
-        rows.append((ctx + cont, mods + [TEXT] * len(cont)))
+        rows.append((ctx + cont, mods + [Modality.TEXT] * len(cont)))
         spans.append((len(ctx), len(cont)))
     width = max(len(r[0]) for r in rows)
     ids = torch.full((len(rows), width), processor.pad_token_id, dtype=torch.long)

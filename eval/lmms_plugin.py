@@ -2,7 +2,7 @@
 
 Registered through the ``lmms_eval.models`` entry point (``pyproject.toml``: ``conceptmoe =
 "eval.lmms_plugin:manifests"``). ``DIR`` holds ``ConceptMoEVLM.save_pretrained`` and ``VLMProcessor.save_pretrained``
-output (what ``python -m training.export`` writes).
+output (what ``python -m vlm.training.export`` writes).
 
 ``--model_args`` (all optional except ``pretrained``):
 

@@ -10,7 +10,7 @@ Reads either
   records by (task, doc_id); records with a ``group`` (page count, needle cell, ...) get a per-group summary.
 
 Ratios may also come as counts: ``tokens_by_modality`` / ``concepts_by_modality`` (keys ``"0"`` text, ``"1"``
-image), read with the rule of ``vlm.outputs.chunk_statistics``: R_m = tokens_m / max(concepts_m, 1), and no R_m
+image), read with the rule of ``vlm.backbone.outputs.chunk_statistics``: R_m = tokens_m / max(concepts_m, 1), and no R_m
 for a record without tokens of modality m.
 
 The paper's Fig. 2c story (arXiv 2601.21420 §4.2): under one global target R the model compresses images more than

@@ -2,12 +2,12 @@
 
     python scripts/bench_inference.py [--preset small-moe] [--full] [--device cuda --dtype bf16] [--json OUT]
 
-Pairs (``vlm.flops.match`` on the baseline preset, params and linear FLOPs within 2%): strategy 1 at R = 2 and
-R = 1.5, strategy 2 (looped concept layers) at R = 2 - or one trained ConceptMoE from ``--checkpoint DIR``.
+Pairs (``vlm.accounting.flops.match`` on the baseline preset, params and linear FLOPs within 2%): strategy 1 at
+R = 2 and R = 1.5, strategy 2 (looped concept layers) at R = 2 - or one trained ConceptMoE from ``--checkpoint DIR``.
 Random init by default, so the dynamic router's R is not its target: the candidates use ``fixed`` chunking
 (a boundary every R tokens, exactly the target R) unless ``--chunking dynamic`` (random router q/k, R ~ 2).
 Every figure is a ratio baseline / candidate measured round-robin in the same run (median of the rounds),
-printed next to the ideal of ``vlm.inference_cost`` at the R actually measured, and the fraction achieved:
+printed next to the ideal of ``vlm.accounting.inference_cost`` at the R actually measured, and the fraction achieved:
 
 * prefill: one forward of N tokens, batch 1, ``use_cache=True``, logits of the last position only;
 * decode: tokens/s of ``--decode-steps`` one-token steps on a cache of ~KV tokens (the prompt is KV minus half
@@ -27,8 +27,8 @@ import torch
 from transformers import AutoConfig
 
 from vlm import ConceptMoEConfig, ConceptMoEForCausalLM, ConceptMoEVLM
-from vlm.flops import match, match_report
-from vlm.inference_cost import ideal_decode_speedup, ideal_kv_ratio, ideal_prefill_speedup, measure_device
+from vlm.accounting.flops import match, match_report
+from vlm.accounting.inference_cost import ideal_decode_speedup, ideal_kv_ratio, ideal_prefill_speedup, measure_device
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PAIRS = (("S1 R=2", 1, 2.0), ("S1 R=1.5", 1, 1.5), ("S2 R=2", 2, 2.0))

@@ -18,9 +18,10 @@ import time
 
 import torch
 
-from vlm import ConceptMoEConfig, ConceptMoEForCausalLM, flops
-from vlm.layers import SwiGLU
-from vlm.moe import MoE
+from vlm import ConceptMoEConfig, ConceptMoEForCausalLM
+from vlm.accounting import flops
+from vlm.backbone.layers import SwiGLU
+from vlm.backbone.moe import MoE
 
 
 def interleaved_medians(steps: dict, repeats: int) -> dict:

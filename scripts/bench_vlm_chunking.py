@@ -18,7 +18,7 @@ from data_pipelines.bpe import train_bpe_tokenizer
 from data_pipelines.synthetic_images import captioned_image
 from vision_tower import ImageProcessor
 from vlm import ConceptMoEVLM, VLMProcessor
-from vlm.trainer import TrainSettings, train
+from vlm.training.single_process import TrainSettings, train
 
 VARIANTS = {
     "global R=2 (paper)": {},

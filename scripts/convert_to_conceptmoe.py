@@ -14,7 +14,7 @@ import argparse
 import logging
 import sys
 
-from vlm.convert import convert, format_report, save_conversion
+from vlm.accounting.convert import convert, format_report, save_conversion
 
 
 def main() -> None:

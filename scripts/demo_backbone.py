@@ -15,8 +15,9 @@ import time
 import torch
 
 from data_pipelines.local_text import ByteTokenizer, load_local_text_corpus, packed_batches
-from vlm import ConceptMoEConfig, ConceptMoEForCausalLM, flops
-from vlm.trainer import TrainSettings, evaluate, train
+from vlm import ConceptMoEConfig, ConceptMoEForCausalLM
+from vlm.accounting import flops
+from vlm.training.single_process import TrainSettings, evaluate, train
 
 
 def run(name: str, config: ConceptMoEConfig, corpus: dict, args) -> dict:

@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from training.config import ConfigError, load_config, save_config  # noqa: E402
+from vlm.training.config import ConfigError, load_config, save_config  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     if rank == 0:
         save_config(config, os.path.join(args.out, "config.yaml"))
-    from training.loop import run
+    from vlm.training.loop import run
 
     run(config, args.out, args.deepspeed, args.resume)
     return 0

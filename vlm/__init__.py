@@ -2,12 +2,12 @@
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
 
-from vlm.config import ConceptMoEConfig
-from vlm.model import ConceptMoEForCausalLM, ConceptMoEModel
-from vlm.outputs import ConceptMoECausalLMOutput
+from vlm.backbone.config import ConceptMoEConfig
+from vlm.backbone.model import ConceptMoEForCausalLM, ConceptMoEModel
+from vlm.backbone.outputs import ConceptMoECausalLMOutput
+from vlm.config import ConceptMoEVLMConfig
+from vlm.model import ConceptMoEVLM
 from vlm.processor import VLMProcessor
-from vlm.vlm_config import ConceptMoEVLMConfig
-from vlm.vlm_model import ConceptMoEVLM
 
 AutoConfig.register(ConceptMoEConfig.model_type, ConceptMoEConfig, exist_ok=True)
 AutoModel.register(ConceptMoEConfig, ConceptMoEModel, exist_ok=True)

@@ -16,23 +16,14 @@ import torch
 from PIL import Image
 from transformers import AutoTokenizer, BatchFeature
 
+from data_pipelines.tokenizer import IMAGE_TOKEN, special_affixes
 from vision_tower import ImageProcessor
 
 PROCESSOR_FILE = "vlm_processor_config.json"
 
 
-def special_affixes(tokenizer) -> tuple[list[int], list[int]]:
-    """The ids the tokenizer's own post-processor puts before and after a text (BOS; [CLS] / [SEP]; none)."""
-    probe = tokenizer("a", add_special_tokens=False)["input_ids"]
-    full = tokenizer("a", add_special_tokens=True)["input_ids"]
-    for start in range(len(full) - len(probe) + 1):
-        if full[start : start + len(probe)] == probe:
-            return full[:start], full[start + len(probe) :]
-    return [], []
-
-
 class VLMProcessor:
-    image_token = "<image>"
+    image_token = IMAGE_TOKEN
 
     def __init__(self, tokenizer, image_processor: ImageProcessor | None = None):
         if self.image_token not in tokenizer.get_vocab():

@@ -15,12 +15,12 @@ from pathlib import Path
 
 from PIL import Image
 
+from data_pipelines.tokenizer import IMAGE_TOKEN
 from eval import metrics
 from eval.eval_data import LONGDOC_PAGES, NIAH_DEPTHS, NIAH_LENGTHS, NIAH_MODALITIES
 
 logger = logging.getLogger("lmms-eval")
 
-IMAGE = "<image>"
 REQUIRED = {
     "cmoe_longdoc": ("id", "pages", "question", "answer", "num_pages"),
     "cmoe_niah": ("id", "segments", "question", "answer", "depth", "length", "modality"),
@@ -124,7 +124,7 @@ def longdoc_visual(doc: dict) -> list[Image.Image]:
 def longdoc_text(doc: dict, lmms_eval_specific_kwargs: dict | None = None) -> str:
     """One ``<image>`` per page (one per line), then the question."""
     pre, post = _affixes(lmms_eval_specific_kwargs)
-    return pre + "".join(f"{IMAGE}\n" for _ in doc["pages"]) + doc["question"] + post
+    return pre + "".join(f"{IMAGE_TOKEN}\n" for _ in doc["pages"]) + doc["question"] + post
 
 
 def niah_visual(doc: dict) -> list[Image.Image]:
@@ -135,7 +135,7 @@ def niah_visual(doc: dict) -> list[Image.Image]:
 def niah_text(doc: dict, lmms_eval_specific_kwargs: dict | None = None) -> str:
     """The interleaved context (text paragraphs and ``<image>`` markers, one per line), then the question."""
     pre, post = _affixes(lmms_eval_specific_kwargs)
-    context = "\n".join(IMAGE if seg.get("image") else seg["text"] for seg in doc["segments"])
+    context = "\n".join(IMAGE_TOKEN if seg.get("image") else seg["text"] for seg in doc["segments"])
     return f"{pre}{context}\n{doc['question']}{post}"
 
 
@@ -147,7 +147,7 @@ def refloc_visual(doc: dict) -> list[Image.Image]:
 def refloc_text(doc: dict, lmms_eval_specific_kwargs: dict | None = None) -> str:
     """The scene, then the box question about the referring expression."""
     pre, post = _affixes(lmms_eval_specific_kwargs)
-    return f"{pre}{IMAGE}\nWhere is the {doc['expression']}?{post}"
+    return f"{pre}{IMAGE_TOKEN}\nWhere is the {doc['expression']}?{post}"
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import torch
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
-    """``ConceptMoEVLM.from_preset("tiny")`` + the shipped tokenizer, saved as training/export.py does."""
+    """``ConceptMoEVLM.from_preset("tiny")`` + the shipped tokenizer, saved as vlm/training/export.py does."""
     from data_pipelines.tokenizer import load_tokenizer
     from vision_tower import ImageProcessor
     from vlm import ConceptMoEVLM, VLMProcessor

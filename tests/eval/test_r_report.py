@@ -103,7 +103,12 @@ def test_counts_and_r_by_modality_give_per_modality_r(tmp_path):
         {"step": 3, "loss": 1.0, "tokens_by_modality": {"0": 6, "1": 0}, "concepts_by_modality": {"0": 3, "1": 0}},
         # image tokens merged into a text concept: R_m = tokens_m / max(concepts_m, 1), as chunk_statistics
         {"step": 4, "loss": 1.0, "tokens_by_modality": {"0": 4, "1": 5}, "concepts_by_modality": {"0": 1, "1": 0}},
-        {"step": 5, "loss": 1.0, "r": 2.0, "r_by_modality": {"0": 1.5, "1": 3.0}},  # vlm.trainer's record
+        {
+            "step": 5,
+            "loss": 1.0,
+            "r": 2.0,
+            "r_by_modality": {"0": 1.5, "1": 3.0},
+        },  # vlm.training.single_process's record
     ]
     records = load_records(_write_lines(tmp_path / "metrics.jsonl", lines))
     got = [(st["r"], st["r_text"], st["r_image"]) for st in records.steps]
@@ -255,7 +260,7 @@ def test_reads_what_the_trainer_logs_even_without_images(tmp_path):
     import torch
 
     from vlm import ConceptMoEConfig, ConceptMoEForCausalLM
-    from vlm.trainer import TrainSettings, train
+    from vlm.training.single_process import TrainSettings, train
 
     torch.manual_seed(0)
     model = ConceptMoEForCausalLM(ConceptMoEConfig.from_preset("tiny"))

@@ -108,7 +108,7 @@ def test_per_modality_identity_and_single_modality_concepts(processor):
     mod = batch["modality_ids"][0]
     embeds = model.embed(batch["input_ids"], batch["modality_ids"], None, batch["patches"], batch["patch_coord"],
                          batch["patch_valid"], batch["grid_hw"])  # fmt: skip
-    from vlm.vlm_model import modality_span_ends
+    from vlm.model import modality_span_ends
 
     forced = modality_span_ends(batch["modality_ids"], torch.ones_like(mod, dtype=torch.bool)[None])
     with torch.no_grad():

@@ -1,12 +1,13 @@
-"""vlm.inference_cost: exact numbers on a hand-computable config, identities, and the limits of SPEC Table 1."""
+"""vlm.accounting.inference_cost: exact numbers on a hand-computable config, identities, and the limits of the
+paper's Table 1."""
 
 from __future__ import annotations
 
 import pytest
 
 from vlm import ConceptMoEConfig
-from vlm.flops import count, match
-from vlm.inference_cost import (
+from vlm.accounting.flops import count, match
+from vlm.accounting.inference_cost import (
     decode_cost,
     distinct_experts,
     ideal_decode_speedup,
@@ -115,7 +116,7 @@ def test_prefill_ideal_tends_to_table1_attention_reduction():
 
 
 def test_kv_ratio_matches_table1_with_token_layers_excluded():
-    """S1 at R = 2 from vlm.flops.match: the concept-layer part of the KV shrinks exactly by R (Table 1)."""
+    """S1 at R = 2 from vlm.accounting.flops.match: the concept-layer part of the KV shrinks exactly by R (Table 1)."""
     base = ConceptMoEConfig.from_preset("small-moe")
     s1 = match(base, 2.0, 1, chunking="fixed")
     b, c = kv_cache_bytes(base, 4096, 2), kv_cache_bytes(s1, 4096, 2)

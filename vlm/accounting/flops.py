@@ -29,8 +29,8 @@ import logging
 import math
 from dataclasses import dataclass
 
-from vlm.config import ConceptMoEConfig
-from vlm.presets import PAPER_SCALE_MOE
+from vlm.backbone.config import ConceptMoEConfig
+from vlm.backbone.presets import PAPER_SCALE_MOE
 
 logger = logging.getLogger(__name__)
 
@@ -369,7 +369,7 @@ def _shape(cfg: ConceptMoEConfig) -> str:
 
 
 def format_table(seq_len: int = 4096) -> str:
-    """The Markdown table ``python -m vlm.flops`` prints ("!" marks a mismatch over 2%)."""
+    """The Markdown table ``python -m vlm.accounting.flops`` prints ("!" marks a mismatch over 2%)."""
     head = [
         "config",
         "shape",

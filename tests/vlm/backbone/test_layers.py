@@ -2,7 +2,7 @@
 
 import torch
 
-from vlm.layers import attention_mask, make_layout, positions_in_document
+from vlm.backbone.layers import attention_mask, make_layout, positions_in_document
 
 
 def test_positions_restart_at_every_document():

@@ -1,4 +1,4 @@
-"""vlm.flops: params against the real model, FLOPs against torch's FlopCounterMode, compute matching."""
+"""vlm.accounting.flops: params against the real model, FLOPs against torch's FlopCounterMode, compute matching."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from vlm import ConceptMoEConfig, ConceptMoEForCausalLM
-from vlm.flops import count, format_table, match, match_report
-from vlm.moe import MoE
-from vlm.presets import PAPER_SCALE_MOE
+from vlm.accounting.flops import count, format_table, match, match_report
+from vlm.backbone.moe import MoE
+from vlm.backbone.presets import PAPER_SCALE_MOE
 
 SMALLER = dict(  # small-moe's shape (GQA, shared expert, 2 + L_C + 2 layers) at a fraction of its size
     vocab_size=1000,
@@ -173,7 +173,7 @@ def test_match_pins_overrides_and_warns_when_unreachable(caplog):
     base = ConceptMoEConfig.from_preset("small-moe")
     config = match(base, 2.0, 2, concept_loop_layers=3, router="linear")
     assert config.concept_loop_layers == 3 and config.router == "linear"
-    with caplog.at_level(logging.WARNING, logger="vlm.flops"):
+    with caplog.at_level(logging.WARNING, logger="vlm.accounting.flops"):
         config, report = match(base, 2.0, 1, concept_top_k=base.top_k, return_report=True)
     assert config.concept_top_k == base.top_k and not report["within_tolerance"]
     assert report["flops_linear_mismatch"] < -0.02 and "off by" in caplog.text
@@ -181,7 +181,7 @@ def test_match_pins_overrides_and_warns_when_unreachable(caplog):
 
 @pytest.mark.parametrize("name", ["tiny", "small"])
 def test_presets_match_their_baselines(name):
-    """vlm/presets.py: the chunked presets are strategy 1 at R = 2 of their ``-moe`` baselines."""
+    """vlm/backbone/presets.py: the chunked presets are strategy 1 at R = 2 of their ``-moe`` baselines."""
     base, preset = ConceptMoEConfig.from_preset(f"{name}-moe"), ConceptMoEConfig.from_preset(name)
     report = match_report(base, preset)
     fix = match(base, preset.target_r, 1)

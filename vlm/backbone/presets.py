@@ -2,7 +2,7 @@
 
 The ConceptMoE presets are strategy 1 of SPEC §6 at R = 2: the same layers as the baseline, with the
 concept model's top-k raised until total params and non-attention FLOPs per token match the baseline
-within 2% (``vlm.flops.match(baseline, 2.0, 1)`` reproduces them; a test checks it). At d = 64 the chunk
+within 2% (``vlm.accounting.flops.match(baseline, 2.0, 1)`` reproduces them; a test checks it). At d = 64 the chunk
 module and joint-decoding projections alone are 2.9% of the parameters, so ``tiny`` also gives its
 concept model one expert fewer (7 of 8); ``small`` keeps all 32.
 
@@ -51,7 +51,7 @@ SMALL_MOE = dict(
 # 128 with 4 KV heads, 256 fine-grained experts of width 384, top-8, no shared expert, 128K vocabulary:
 # 11.4B total, 0.50B active without embeddings / LM head (0.89B with them). With top-8, total / active
 # expert params is E / 8, so 12B / 0.5B needs about 250+ experts; 64-128 would give ~6B or ~1B active.
-# For accounting only (`python -m vlm.flops`): not in PRESETS, never instantiated by the project.
+# For accounting only (`python -m vlm.accounting.flops`): not in PRESETS, never instantiated by the project.
 PAPER_SCALE_MOE = dict(
     vocab_size=128000,
     d_model=1536,

@@ -195,7 +195,7 @@ def test_forced_boundaries_close_concepts_without_splitting_documents():
 
 
 def test_per_modality_target_r_is_a_weighted_sum_of_eq4():
-    from vlm.chunking import ratio_loss
+    from vlm.backbone.chunking import ratio_loss
 
     torch.manual_seed(0)
     config = ConceptMoEConfig.from_preset(

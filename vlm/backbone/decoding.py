@@ -1,4 +1,4 @@
-"""Incremental decoding (SPEC §13): prefill state, then one token at a time with the caches of ``vlm.cache``.
+"""Incremental decoding (SPEC §13): prefill state, then one token at a time with the caches of ``vlm.backbone.cache``.
 
 One step, per row of the batch:
 
@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from transformers import GenerationMixin
 
-from vlm.cache import ConceptMoECache
-from vlm.layers import SeqLayout
+from vlm.backbone.cache import ConceptMoECache
+from vlm.backbone.layers import SeqLayout
 
 
 def new_cache(model) -> ConceptMoECache:

@@ -4,7 +4,7 @@ import pytest
 import torch
 from naive_reference import ema_loop
 
-from vlm.dechunk import ema_over_concepts, plug_back
+from vlm.backbone.dechunk import ema_over_concepts, plug_back
 
 
 @pytest.mark.parametrize("m", [1, 63, 64, 65, 300])

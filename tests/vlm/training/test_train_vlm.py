@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from training.config import ConfigError, load_config
-from training.loop import NonFiniteGuard, NonFiniteLossError, build_model, train_step
+from vlm.training.config import ConfigError, load_config
+from vlm.training.loop import NonFiniteGuard, NonFiniteLossError, build_model, train_step
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 VENV_BIN = Path(sys.executable).parent
 TINY = ROOT / "scripts" / "configs" / "tiny.yaml"
 
@@ -159,8 +159,8 @@ def test_zero3_save_load_and_export_reloads(shards, tmp_path):
     a text-only batch, so ZeRO-3's per-module gathers stay in step across ranks.)"""
     from transformers import AutoModelForImageTextToText
 
-    from training.export import export_checkpoint, full_state_dict
     from vlm import VLMProcessor
+    from vlm.training.export import export_checkpoint, full_state_dict
 
     run = tmp_path / "run"
     run_train(run, shards, launcher="deepspeed", zero=3, max_steps=2, save_every=2, export="false")

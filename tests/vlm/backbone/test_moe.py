@@ -4,7 +4,7 @@ import pytest
 import torch
 from naive_reference import moe_per_token
 
-from vlm.moe import MoE, grouped_mm_supported, load_balancing_loss, router_z_loss
+from vlm.backbone.moe import MoE, grouped_mm_supported, load_balancing_loss, router_z_loss
 
 
 def _moe(norm_topk_prob=True, shared=1, experts=6, k=2):

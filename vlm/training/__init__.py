@@ -4,7 +4,7 @@ HF export.
     python scripts/make_shards.py --synthetic scenes,text --out data/tiny --num-samples 256 --seed 0
     deepspeed --num_gpus 2 scripts/train_vlm.py --config scripts/configs/tiny.yaml \\
         --deepspeed scripts/configs/zero2.json --out runs/tiny [--set train.max_steps=100] [--resume auto]
-    python -m training.export runs/tiny --out runs/tiny/hf-latest
+    python -m vlm.training.export runs/tiny --out runs/tiny/hf-latest
 
 - ``config``: YAML + ``--set`` overrides, defaults, validation (``ConfigError`` names the field).
 - ``loop``: the DeepSpeed loop; ``metrics``: exact R aggregation and the rank-0 writers (``metrics.jsonl``,

@@ -4,7 +4,7 @@ import torch
 
 from data_pipelines.local_text import ByteTokenizer, load_local_text_corpus, packed_batches
 from vlm import ConceptMoEConfig, ConceptMoEForCausalLM
-from vlm.trainer import TrainSettings, evaluate, train
+from vlm.training.single_process import TrainSettings, evaluate, train
 
 
 def test_tiny_training_loss_falls_and_r_reaches_target():

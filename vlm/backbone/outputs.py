@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 from transformers.utils import ModelOutput
 
-from vlm.chunking import ChunkOutput
-from vlm.layers import SeqLayout
+from vlm.backbone.chunking import ChunkOutput
+from vlm.backbone.layers import SeqLayout
 
 
 @dataclass
@@ -17,7 +17,7 @@ class BackboneOutput(ModelOutput):
     aux: dict | None = None  # ratio_loss, balance_loss, z_loss (scalar tensors)
     chunk_stats: dict | None = None
     chunk: ChunkOutput | None = None  # p / b of the forward (None with chunking="none")
-    cache: object | None = None  # vlm.cache.ConceptMoECache when use_cache (generation)
+    cache: object | None = None  # vlm.backbone.cache.ConceptMoECache when use_cache (generation)
 
 
 @dataclass
@@ -28,7 +28,7 @@ class ConceptMoECausalLMOutput(ModelOutput):
     logits: torch.Tensor | None = None
     aux: dict | None = None
     chunk_stats: dict | None = None
-    cache: object | None = None  # vlm.cache.ConceptMoECache: pass it back with the next tokens
+    cache: object | None = None  # vlm.backbone.cache.ConceptMoECache: pass it back with the next tokens
 
 
 @torch.no_grad()

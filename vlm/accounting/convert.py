@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from vlm.config import ConceptMoEConfig
-from vlm.flops import count, match_report
-from vlm.model import ConceptMoEForCausalLM
+from vlm.accounting.flops import count, match_report
+from vlm.backbone.config import ConceptMoEConfig
+from vlm.backbone.model import ConceptMoEForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -238,7 +238,7 @@ def convert(src: str | os.PathLike | PreTrainedModel, *, seq_len: int = 4096, **
     """Convert ``src`` (a supported HF MoE or its folder) into a ``ConceptMoEForCausalLM``.
 
     ``recipe``: the keyword arguments of :func:`conversion_configs`. The report holds params / FLOPs of the
-    source and of the converted model (``vlm.flops.count``, FLOPs at ``seq_len`` and the target R) and their
+    source and of the converted model (``vlm.accounting.flops.count``, FLOPs at ``seq_len`` and the target R) and their
     ``match_report``.
     """
     source = load_source(src)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from vlm import ConceptMoEConfig, ConceptMoEForCausalLM
-from vlm.chunking import (
+from vlm.backbone.chunking import (
     ChunkModule,
     boundary_positions,
     cosine_boundary_probs,
@@ -15,7 +15,7 @@ from vlm.chunking import (
     ratio_loss,
     sharpen_boundary_probs,
 )
-from vlm.layers import make_layout
+from vlm.backbone.layers import make_layout
 
 
 def test_cosine_boundary_prob_matches_eq2():

@@ -165,7 +165,7 @@ class Attention(nn.Module):
         concept_BND: torch.Tensor | None = None,
         kv=None,
     ) -> torch.Tensor:
-        """``mask_B1NN`` is [B, 1, n, keys] (None: causal over the row). With a cache ``kv`` (``vlm.cache``),
+        """``mask_B1NN`` is [B, 1, n, keys] (None: causal over the row). With a cache ``kv`` (``vlm.backbone.cache``),
         the new keys / values are appended and the queries attend to every cached key (the mask covers them)."""
         b, n, _ = x_BND.shape
         q, k, v = self.joint_qkv(x_BND, concept_BND)

@@ -1,4 +1,5 @@
-"""vlm.convert: HF MoE -> ConceptMoE. Exact logits without chunking, CT start and target R, save/load, CLI, errors."""
+"""vlm.accounting.convert: HF MoE -> ConceptMoE. Exact logits without chunking, CT start and target R, save/load,
+CLI, errors."""
 
 from __future__ import annotations
 
@@ -7,16 +8,17 @@ import os
 import runpy
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 import transformers as T
 
 from vlm import ConceptMoEForCausalLM, ConceptMoEVLM
-from vlm.convert import FAMILIES, conversion_configs, convert, save_conversion
-from vlm.flops import count
+from vlm.accounting.convert import FAMILIES, conversion_configs, convert, save_conversion
+from vlm.accounting.flops import count
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = str(Path(__file__).resolve().parents[3])
 COMMON = dict(
     vocab_size=120,
     hidden_size=64,
@@ -183,7 +185,7 @@ def _train_hf(model, batches, steps: int, lr: float) -> None:
 
 def test_continual_training_starts_near_the_source_loss_and_reaches_target_r():
     from data_pipelines.local_text import ByteTokenizer, load_local_text_corpus, packed_batches
-    from vlm.trainer import TrainSettings, evaluate, train
+    from vlm.training.single_process import TrainSettings, evaluate, train
 
     torch.manual_seed(0)
     corpus, tok = load_local_text_corpus(max_docs=2000), ByteTokenizer()

@@ -16,10 +16,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from training import checkpoint
-from training.config import ConfigError
-from training.metrics import MetricsWriter, StepStats
-from vlm.trainer import TrainSettings, lr_at
+from vlm.training import checkpoint
+from vlm.training.config import ConfigError
+from vlm.training.metrics import MetricsWriter, StepStats
+from vlm.training.single_process import TrainSettings, lr_at
 
 log = logging.getLogger(__name__)
 
@@ -284,7 +284,7 @@ def run(config: dict, run_dir: str, deepspeed_json: str | None = None, resume: s
     finally:
         writer.close()
     if train["export"] and rank == 0:
-        from training.export import export_checkpoint
+        from vlm.training.export import export_checkpoint
 
         export_checkpoint(run_dir, out_dir=os.path.join(run_dir, "hf"))
     if dist.is_initialized():

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlm.layers import SeqLayout, attention_mask, positions_in_document
+from vlm.backbone.layers import SeqLayout, attention_mask, positions_in_document
 
 
 @dataclass

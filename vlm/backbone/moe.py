@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlm.layers import SwiGLU
+from vlm.backbone.layers import SwiGLU
 
 logger = logging.getLogger(__name__)
 

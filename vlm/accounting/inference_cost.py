@@ -1,6 +1,7 @@
 """Inference cost model: prefill FLOPs, decode FLOPs / bytes / roofline time, KV-cache bytes (issue 6, SPEC §9).
 
-Built on :func:`vlm.flops.count` (same conventions: FLOPs = 2 x MACs, forward only, only matrix products count;
+Built on :func:`vlm.accounting.flops.count` (same conventions: FLOPs = 2 x MACs, forward only, only matrix products
+count;
 concept layers, strategy-2 loops included, run once per concept, i.e. at 1/R of the token rate). The *ideal*
 speedup of a candidate over a baseline is the ratio of the baseline's cost to the candidate's, evaluated at the
 candidate's measured compression ratio R. It is what a perfect implementation would get if time were exactly
@@ -23,8 +24,8 @@ import time
 
 import torch
 
-from vlm.config import ConceptMoEConfig
-from vlm.flops import count
+from vlm.accounting.flops import count
+from vlm.backbone.config import ConceptMoEConfig
 
 
 # ----------------------------------------------------------------------------- prefill

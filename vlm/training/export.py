@@ -3,7 +3,7 @@
 Works for every ZeRO stage: the full fp32 weights are gathered from the checkpoint files
 (``deepspeed.utils.zero_to_fp32``), in one process, no launcher needed.
 
-    python -m training.export RUN_DIR [--tag step_00000100] --out DIR
+    python -m vlm.training.export RUN_DIR [--tag step_00000100] --out DIR
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 
 import yaml
 
-from training import checkpoint
+from vlm.training import checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ def full_state_dict(root: str, tag: str) -> dict:
 
 def export_checkpoint(run_dir: str, out_dir: str, tag: str | None = None) -> str:
     """Writes the model and processor of ``run_dir``'s checkpoint ``tag`` (default: latest complete) to ``out_dir``."""
-    from training.loop import build_model
+    from vlm.training.loop import build_model
 
     root = checkpoint.checkpoint_dir(run_dir)
     tag = tag or checkpoint.latest_tag(root)
