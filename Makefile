@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# Exact pins: a range (or torchvision unpinned) pulls a newer multi-GB CUDA torch (docs/ENVIRONMENT.md).
+# Exact pins: a range (or torchvision unpinned) pulls a newer multi-GB CUDA torch (docs/environment.md).
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 
 # No network at run time: nothing may reach for the hub.
@@ -28,8 +28,11 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -e '.[test]'
 	touch $@
 
+# Style, then the import layers (pyproject.toml [tool.importlinter]; the graph builds in under a second, so no cache).
+LINT := $(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/lint-imports --no-cache --no-logo
+
 test: venv
-	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/python -m pytest -q tests
+	$(LINT) && $(BIN)/python -m pytest -q tests
 
 # The main job, end to end on CPU (~8 min on 2 cores): synthetic shards -> 2-process DeepSpeed training of the
 # `small` VLM -> HF export -> per-modality R report -> lmms-eval on the three local tasks (a few docs each, through
@@ -37,6 +40,8 @@ test: venv
 DEMO_DATA := data/demo
 DEMO_RUN := runs/demo
 EVAL_TASKS := cmoe_longdoc,cmoe_niah,cmoe_refloc
+# The task definitions plus their generated data (data/ is git-ignored), relative to the repository root.
+EVAL_DIR := eval/tasks
 demo: venv
 	test -f $(DEMO_DATA)/train/manifest.json || $(BIN)/python scripts/make_shards.py \
 		--synthetic scenes,documents,needles,text --out $(DEMO_DATA) --num-samples 400 --seed 0
@@ -44,10 +49,10 @@ demo: venv
 	$(BIN)/deepspeed --num_gpus 2 scripts/train_vlm.py --config scripts/configs/small.yaml \
 		--deepspeed scripts/configs/zero2.json --out $(DEMO_RUN)
 	$(BIN)/python scripts/r_report.py $(DEMO_RUN)
-	test -f eval/tasks/cmoe_refloc/data/test.jsonl || $(BIN)/python scripts/make_eval_data.py \
+	test -f $(EVAL_DIR)/cmoe_refloc/data/test.jsonl || $(BIN)/python scripts/make_eval_data.py --out $(EVAL_DIR) \
 		--longdoc-pages 1,4 --longdoc-per-bucket 4 --niah-lengths short --refloc-n 32
 	$(BIN)/python -m lmms_eval --model conceptmoe --model_args pretrained=$(DEMO_RUN)/hf --tasks $(EVAL_TASKS) \
-		--include_path eval/tasks --batch_size 4 --limit 8 --output_path $(DEMO_RUN)/eval --log_samples \
+		--include_path $(EVAL_DIR) --batch_size 4 --limit 8 --output_path $(DEMO_RUN)/eval --log_samples \
 		--verbosity DEBUG
 	$(BIN)/python scripts/r_report.py $(DEMO_RUN)/eval
 	@echo "shards:        $(DEMO_DATA)/{train,eval} (manifest.json in each)"
@@ -65,7 +70,7 @@ bench: venv
 	$(BIN)/python scripts/bench_model.py
 
 lint: venv
-	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+	$(LINT)
 
 format: venv
 	$(BIN)/ruff check --fix . && $(BIN)/ruff format .

@@ -15,6 +15,8 @@ Also here: :class:`ByteTokenizer` (bytes as ids plus three specials) and :func:`
 documents back to back into fixed-length rows for causal-LM training.
 """
 
+# Shape suffixes (docs/paper.md §0): B batch rows, N tokens per row.
+
 from __future__ import annotations
 
 import ast

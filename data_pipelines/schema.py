@@ -1,6 +1,6 @@
 """The sample schema of the toolkit's webdataset shards, and its encoding to / decoding from tar members.
 
-One sample per key (ARCHITECTURE.md "Sample schema"):
+One sample per key, written as these tar members:
 
     <key>.json        {"segments": [{"text": "..."}, {"image": "img0.png"}, ...], "meta": {...}, "qa": [...]}
     <key>.img0.png    the bytes of every image a segment names (png / jpg / jpeg / webp)
@@ -62,7 +62,7 @@ class Sample:
         return sum(s.image is not None for s in self.segments)
 
 
-SampleSchema = Sample  # the name ARCHITECTURE.md uses for the schema's in-memory form
+SampleSchema = Sample  # alias: the schema's in-memory form, exported under this name by ``data_pipelines``
 
 
 def image_bytes(img: Image.Image, ext: str = "png") -> bytes:

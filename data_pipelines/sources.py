@@ -29,6 +29,7 @@ from pathlib import Path
 
 from PIL import Image
 
+from data_pipelines.jsonl import read_json_lines
 from data_pipelines.schema import IMAGE_EXTS, Sample, Segment
 
 logger = logging.getLogger(__name__)
@@ -120,17 +121,11 @@ def from_jsonl(path: str | os.PathLike, stats: SourceStats | None = None) -> Ite
     except OSError as err:
         stats.skip("missing_file", str(err))
         return
-    with handle:
-        for lineno, raw in enumerate(handle, 1):
-            where = f"{path}:{lineno}"
-            if not raw.strip():
-                continue
-            try:
-                doc = json.loads(raw)
-            except (UnicodeDecodeError, json.JSONDecodeError) as err:
-                stats.skip("bad_json", f"{where}: {err}")
-                continue
-            sample = _document(doc, path.parent, safe_key(f"{path.stem}_{lineno:07d}"), stats, where)
+    with handle:  # a JSON value that is no object is a document without segments (missing_field), as in shards
+        bad = lambda lineno, why: stats.skip("bad_json", f"{path}:{lineno}: {why}")
+        for lineno, doc in read_json_lines(handle, bad, objects_only=False):
+            key = safe_key(f"{path.stem}_{lineno:07d}")
+            sample = _document(doc, path.parent, key, stats, f"{path}:{lineno}")
             if sample is not None and stats.accept(sample):
                 yield sample
 

@@ -1,6 +1,9 @@
 """Small synthetic image-text data generated on the fly (no network): captioned shapes on canvases.
 
-A stand-in until the shard generators of the data pipelines exist; deterministic given the ``random.Random``.
+The smallest image-text source: one call, one captioned image, no shards to write or read. Tests use it for
+quick VLM batches (``tests/conftest.py`` and the shard fixtures), and ``scripts/bench_vlm_chunking.py`` trains on
+it; the shard generators for training data are in ``data_pipelines/synthetic/``. Deterministic given the
+``random.Random``.
 """
 
 import random

@@ -109,8 +109,9 @@ def build_info(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> dict:
     }
 
 
-def save_default_tokenizer(out_dir: str | os.PathLike = DEFAULT_TOKENIZER_DIR, vocab_size: int = DEFAULT_VOCAB_SIZE):
-    """Build the default tokenizer and write it (``save_pretrained`` files + ``BUILD_INFO.json``) to ``out_dir``.
+def save_default_tokenizer(out_dir: str | os.PathLike, vocab_size: int = DEFAULT_VOCAB_SIZE):
+    """Build the default tokenizer and write it (``save_pretrained`` files + ``BUILD_INFO.json``) to ``out_dir``
+    (no default: the shipped copy, ``DEFAULT_TOKENIZER_DIR``, is only ever overwritten when passed explicitly).
 
     Returns ``(tokenizer, info)``.
     """

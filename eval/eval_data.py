@@ -1,9 +1,11 @@
 """Local evaluation sets for the lmms-eval tasks in ``eval/tasks``, from the synthetic training generators.
 
 ``write_eval_sets(out, seed)`` writes, per task, ``OUT/<task>/data/test.jsonl`` (one doc per line), the images under
-``OUT/<task>/data/images/`` and ``OUT/<task>/data/manifest.json`` (options, counts, a hash of the JSONL). When
-``OUT`` is not ``eval/tasks`` itself, the task's YAML and ``utils.py`` are copied next to the data, so that
-``--include_path OUT`` is self-contained.
+``OUT/<task>/data/images/`` and ``OUT/<task>/data/manifest.json`` (options, counts, a hash of the JSONL). ``OUT``
+defaults to ``eval/tasks`` relative to the current directory (``DEFAULT_OUT``), never to the installed package: from
+the repository root that is the package's own task folder, which ``lmms-eval --include_path eval/tasks`` reads.
+When ``OUT`` is any other folder, the task's YAML and ``utils.py`` are copied next to the data (each task's
+``utils.py`` reads the ``data/`` beside itself), so that ``--include_path OUT`` is self-contained.
 
 Disjoint from training: every sample comes from the generators' ``"eval"`` split (its own random streams, and the
 ``eval`` side of the local text corpus for every paragraph of text), with a seed derived per task and bucket;
@@ -34,7 +36,8 @@ from pathlib import Path
 from data_pipelines.synthetic import documents, needles, scenes
 
 TASKS = ("cmoe_longdoc", "cmoe_niah", "cmoe_refloc")
-TASKS_DIR = Path(__file__).resolve().parent / "tasks"
+TASKS_DIR = Path(__file__).resolve().parent / "tasks"  # the shipped task definitions (read, never written)
+DEFAULT_OUT = Path("eval") / "tasks"  # where the data goes by default: relative to the current directory
 LONGDOC_PAGES = (1, 2, 4, 8, 16, 32)  # page counts the task reports ANLS / EM for
 LONGDOC_MAX_PATCHES = 1536
 NIAH_LENGTHS = {"short": 8, "medium": 32, "long": 128}  # haystack units per length bucket
@@ -207,7 +210,7 @@ def install_task_files(out: Path, task: str) -> None:
 
 
 def write_eval_sets(
-    out: str | Path = TASKS_DIR,
+    out: str | Path = DEFAULT_OUT,
     seed: int = 0,
     tasks: Sequence[str] = TASKS,
     longdoc_per_bucket: int = 20,

@@ -5,6 +5,8 @@ Kept apart from ``eval/lmms_plugin.py`` so that it can be tested without lmms-ev
 function takes the model, the processor and plain items (``{"prompt": str, "images": [PIL...]}``).
 """
 
+# Shape suffixes (docs/paper.md §0): B batch rows, N tokens per row.
+
 from __future__ import annotations
 
 import contextlib
@@ -16,8 +18,6 @@ import torch
 from data_pipelines.schema import Modality
 
 logger = logging.getLogger(__name__)
-
-CHUNKING_OVERRIDES = ("dynamic", "fixed", "none")
 
 
 @dataclass
@@ -50,34 +50,13 @@ class GenSettings:
 
 
 def apply_chunking_overrides(model, chunking=None, target_r=None, noise_tau=None, modality_boundaries=None) -> None:
-    """Eval-time chunking for studies: ``fixed`` + ``target_r`` forces R; ``noise_tau``; ``modality_boundaries``.
-
-    Changes the loaded model's config objects in place (the backbone reads them at every forward).
-    """
-    text_configs = {id(c): c for c in (model.config.text_config, model.language_model.config)}
-    text_configs[id(model.language_model.model.config)] = model.language_model.model.config
-    current = model.config.text_config.chunking
-    if chunking is not None:
-        if chunking not in CHUNKING_OVERRIDES:
-            raise ValueError(f"conceptmoe: chunking={chunking!r} is invalid: use one of {CHUNKING_OVERRIDES}")
-        if (chunking == "none") != (current == "none"):
-            raise ValueError(
-                f"conceptmoe: chunking={chunking!r} cannot be applied to a checkpoint trained with chunking={current!r}"
-                " (the chunk / dechunk modules exist only in chunked models)"
-            )
-    if target_r is not None and target_r < 1.0:
-        raise ValueError(f"conceptmoe: target_r={target_r} is invalid: must be >= 1")
-    if noise_tau is not None and noise_tau < 0:
-        raise ValueError(f"conceptmoe: noise_tau={noise_tau} is invalid: must be >= 0")
-    for cfg in text_configs.values():
-        if chunking is not None:
-            cfg.chunking = chunking
-        if target_r is not None:
-            cfg.target_r = float(target_r)
-        if noise_tau is not None:
-            cfg.noise_tau = float(noise_tau)
-    if modality_boundaries is not None:
-        model.config.modality_boundaries = bool(modality_boundaries)
+    """Eval-time chunking for studies: ``fixed`` + ``target_r`` forces R; ``noise_tau``; ``modality_boundaries``
+    (through ``ConceptMoEVLM.set_chunking``; errors name the setting)."""
+    settings = dict(chunking=chunking, target_r=target_r, noise_tau=noise_tau)
+    try:
+        model.set_chunking(modality_boundaries, **{k: v for k, v in settings.items() if v is not None})
+    except ValueError as err:
+        raise ValueError(f"conceptmoe: {err}") from None
     cfg = model.config.text_config
     logger.info("conceptmoe: chunking=%s target_r=%s noise_tau=%s", cfg.chunking, cfg.target_r, cfg.noise_tau)
 
@@ -88,7 +67,7 @@ def image_budget(processor, max_patches: int | None):
     ip = processor.image_processor
     saved = ip.max_patches
     if max_patches is not None:
-        ip.max_patches = max(int(max_patches), ip.merge**2)
+        ip.max_patches = max(int(max_patches), ip.pixel_shuffle**2)
     try:
         yield
     finally:

@@ -1,8 +1,9 @@
 """lmms-eval model plugin: ``lmms-eval --model conceptmoe --model_args pretrained=DIR[,key=value...]``.
 
 Registered through the ``lmms_eval.models`` entry point (``pyproject.toml``: ``conceptmoe =
-"eval.lmms_plugin:manifests"``). ``DIR`` holds ``ConceptMoEVLM.save_pretrained`` and ``VLMProcessor.save_pretrained``
-output (what ``python -m vlm.training.export`` writes).
+"eval.lmms_entry:manifests"``; that module imports nothing at load time, so importing this one before or after
+``lmms_eval.models`` both work, see ``eval/lmms_entry.py``). ``DIR`` holds ``ConceptMoEVLM.save_pretrained`` and
+``VLMProcessor.save_pretrained`` output (what ``python -m vlm.training.export`` writes).
 
 ``--model_args`` (all optional except ``pretrained``):
 
@@ -28,10 +29,13 @@ import logging
 import sys
 from pathlib import Path
 
+# Bound before anything imports lmms_eval: an install made before the entry point moved to eval.lmms_entry still
+# names "eval.lmms_plugin:manifests", and lmms-eval may load it while this module is half-imported.
+from eval.lmms_entry import manifests  # noqa: F401  # isort: skip
+
 import torch
 from lmms_eval.api.instance import Instance
 from lmms_eval.api.model import lmms
-from lmms_eval.models.registry_v2 import ModelManifest
 from PIL import Image
 
 from eval import lmms_generation as gen
@@ -41,11 +45,6 @@ logger = logging.getLogger(__name__)
 IMAGE_MARKER = "<image>"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
-def manifests() -> list[ModelManifest]:
-    """The entry point's payload: the ``conceptmoe`` model id and its class."""
-    return [ModelManifest(model_id="conceptmoe", simple_class_path="eval.lmms_plugin.ConceptMoELMMs")]
 
 
 def _as_bool(value, name: str) -> bool:

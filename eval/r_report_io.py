@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from data_pipelines.jsonl import read_json_lines
+
 logger = logging.getLogger(__name__)
 
 MODALITIES = {"text": ("0", "text"), "image": ("1", "image")}  # keys accepted in the *_by_modality dicts
@@ -120,24 +122,15 @@ def _sample_scores(rec: dict, metric_names: set[str]) -> dict[str, float]:
 
 def _read_jsonl(path: Path, records: Records) -> list[dict]:
     """JSON objects of a JSONL file; malformed lines (and non-object values) are skipped, counted and logged."""
-    objects = []
+
+    def skipped(lineno: int, why: str) -> None:
+        records.skipped_lines += 1
+        if len(records.skipped_at) < MAX_SKIPPED_LISTED:
+            records.skipped_at.append(f"{path}:{lineno}")
+        logger.warning("%s:%d: skipped malformed line (%s)", path, lineno, why)
+
     with path.open(encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-                if not isinstance(obj, dict):
-                    raise ValueError(f"a JSON {type(obj).__name__}, not an object")
-            except ValueError as e:
-                why = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e)
-                records.skipped_lines += 1
-                if len(records.skipped_at) < MAX_SKIPPED_LISTED:
-                    records.skipped_at.append(f"{path}:{lineno}")
-                logger.warning("%s:%d: skipped malformed line (%s)", path, lineno, why)
-                continue
-            objects.append(obj)
-    return objects
+        return [obj for _, obj in read_json_lines(f, skipped)]
 
 
 def _read_results(path: Path) -> dict[str, dict[str, float]]:

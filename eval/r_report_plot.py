@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # annotations only: eval.r_report imports this module
-    from eval.r_report import Records
+from eval.r_report_io import SERIES, Records
 
-SERIES = ("r", "r_text", "r_image")
 SERIES_LABELS = {"r": "total R", "r_text": "text R", "r_image": "image R"}
 SERIES_COLORS = {"r": "#333333", "r_text": "tab:blue", "r_image": "tab:orange"}
 

@@ -116,7 +116,9 @@ def main() -> None:
     device = torch.device(args.device)
     model = ConceptMoEVLM.from_preset("small", image_token_id=image_token_id, vocab_size=len(tokenizer)).to(device)
     cfg = model.config
-    image_processor = ImageProcessor(patch_size=cfg.patch_size, max_patches=cfg.max_patches, merge=cfg.vision_merge)
+    image_processor = ImageProcessor(
+        patch_size=cfg.patch_size, max_patches=cfg.max_patches, pixel_shuffle=cfg.pixel_shuffle
+    )
 
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()

@@ -1,4 +1,5 @@
-"""Inference speed: ConceptMoE vs its compute-matched MoE, next to the ideal of the FLOP/byte model (issue 6).
+"""Inference speed: ConceptMoE vs its compute-matched MoE, next to the ideal of the FLOP/byte model (the paper's
+latency comparison, §4.4 and Fig. 5, at toy scale).
 
     python scripts/bench_inference.py [--preset small-moe] [--full] [--device cuda --dtype bf16] [--json OUT]
 
@@ -15,6 +16,8 @@ printed next to the ideal of ``vlm.accounting.inference_cost`` at the R actually
   FLOP/s and bandwidth measured here at the start (``--peak-flops`` / ``--bandwidth`` override them);
 * KV cache: ``cache.kv_bytes()`` after the prefill (a ratio of bytes, not a timing).
 """
+
+# Shape suffixes (docs/paper.md §0): B batch rows, N tokens per row, 1 a singleton axis.
 
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ def describe(cfg: ConceptMoEConfig) -> str:
     if not cfg.chunked:
         return f"{cfg.chunking} E={cfg.num_experts} k={cfg.top_k}"
     loop = f" loop={cfg.concept_loop}x{cfg.concept_loop_layers or cfg.concept_layers}" if cfg.concept_loop > 1 else ""
-    return f"{cfg.chunking} R={cfg.target_r:g} k_c={cfg.concept_k} E_c={cfg.concept_experts}{loop}"
+    return f"{cfg.chunking} R={cfg.target_r:g} k_c={cfg.concept_top_k} E_c={cfg.concept_num_experts}{loop}"
 
 
 def build_models(args, device: torch.device, dtype: torch.dtype) -> tuple[ConceptMoEForCausalLM, dict]:
@@ -58,7 +61,7 @@ def build_models(args, device: torch.device, dtype: torch.dtype) -> tuple[Concep
 
     if args.checkpoint:
         return load(base_cfg), {"checkpoint": load(args.checkpoint)}
-    extra = {"router_init": "random"} if args.chunking == "dynamic" else {}
+    extra = {"boundary_router_init": "random"} if args.chunking == "dynamic" else {}
     cands = {name: match(base_cfg, r, s, chunking=args.chunking, **extra) for name, s, r in PAIRS}
     return load(base_cfg), {name: load(cfg) for name, cfg in cands.items()}
 
@@ -129,16 +132,16 @@ def decoder(model, kv_len: int, batch: int, n_steps: int, total_steps: int, devi
     step, mask_BN = prefill(model, max(kv_len - total_steps // 2, 1), batch, device)
     with torch.inference_mode():
         out = step()
-    state = dict(cache=out.cache, next_B1=out.logits[:, -1:].argmax(-1), mask_BT=mask_BN)
+    state = dict(cache=out.cache, next_B1=out.logits[:, -1:].argmax(-1), mask_BN=mask_BN)
     log.update(tokens=0, concepts=0)
     ones_B1 = torch.ones(batch, 1, dtype=torch.long, device=device)
 
     def run():
         before = state["cache"].concept_lengths().sum()
         for _ in range(n_steps):
-            state["mask_BT"] = torch.cat([state["mask_BT"], ones_B1], dim=1)
+            state["mask_BN"] = torch.cat([state["mask_BN"], ones_B1], dim=1)
             out = model(
-                input_ids=state["next_B1"], attention_mask=state["mask_BT"], cache=state["cache"], use_cache=True
+                input_ids=state["next_B1"], attention_mask=state["mask_BN"], cache=state["cache"], use_cache=True
             )
             state["next_B1"] = out.logits[:, -1:].argmax(-1)
         log["tokens"] += n_steps * batch

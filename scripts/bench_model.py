@@ -78,7 +78,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     base = ConceptMoEConfig.from_preset(f"{args.preset}-moe")
-    cmoe = ConceptMoEConfig.from_preset(args.preset, router_init="random")
+    cmoe = ConceptMoEConfig.from_preset(args.preset, boundary_router_init="random")
     fixed = ConceptMoEConfig.from_preset(args.preset, chunking="fixed")
     report = flops.match_report(base, cmoe)
     print(f"# {args.preset} vs {args.preset}-moe, torch {torch.__version__}, {torch.get_num_threads()} threads")

@@ -29,7 +29,7 @@ def one_cell(preset: str, seq_len: int, steps: int) -> dict:
 
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    overrides = {} if preset.endswith("-moe") else {"router_init": "random"}  # R ~ 2 from the first step
+    overrides = {} if preset.endswith("-moe") else {"boundary_router_init": "random"}  # R ~ 2 from the first step
     config = ConceptMoEConfig.from_preset(preset, max_position_embeddings=max(seq_len, 8192), **overrides)
     model = ConceptMoEForCausalLM(config).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -18,7 +18,7 @@ from data_pipelines.bpe import train_bpe_tokenizer
 from data_pipelines.synthetic_images import captioned_image
 from vision_tower import ImageProcessor
 from vlm import ConceptMoEVLM, VLMProcessor
-from vlm.training.single_process import TrainSettings, train
+from vlm.training.single_process import TrainSettings, evaluate, train
 
 VARIANTS = {
     "global R=2 (paper)": {},
@@ -33,26 +33,6 @@ def caption_batches(processor: VLMProcessor, seed: int, batch_size: int = 8):
         pairs = [captioned_image(rng) for _ in range(batch_size)]
         batch = processor(text=[f"<image> {caption}" for _, caption in pairs], images=[[img] for img, _ in pairs])
         yield {**batch, "labels": batch["input_ids"]}
-
-
-@torch.no_grad()
-def held_out(model, processor: VLMProcessor, seed: int, n_batches: int = 8) -> dict:
-    model.eval()
-    loss, tokens, concepts = 0.0, {0: 0, 1: 0}, {0: 0, 1: 0}
-    for _, batch in zip(range(n_batches), caption_batches(processor, seed)):
-        out = model(**batch)
-        loss += out.aux["lm_loss"].item() / n_batches
-        for m in (0, 1):
-            tokens[m] += out.chunk_stats["tokens_by_modality"].get(m, 0)
-            concepts[m] += out.chunk_stats["concepts_by_modality"].get(m, 0)
-    model.train()
-    r = sum(tokens.values()) / max(sum(concepts.values()), 1)
-    return {
-        "lm_loss": loss,
-        "r": r,
-        "r_text": tokens[0] / max(concepts[0], 1),
-        "r_image": tokens[1] / max(concepts[1], 1),
-    }
 
 
 def main() -> None:
@@ -70,8 +50,11 @@ def main() -> None:
         torch.manual_seed(args.seed)
         model = ConceptMoEVLM.from_preset("tiny", image_token_id=processor.image_token_id, max_patches=64, **overrides)
         train(model, caption_batches(processor, args.seed), TrainSettings(steps=args.steps))
-        res = held_out(model, processor, seed=args.seed + 1000)
-        print(f"| {name} | {res['lm_loss']:.3f} | {res['r']:.2f} | {res['r_text']:.2f} | {res['r_image']:.2f} |")
+        res = evaluate(model, caption_batches(processor, seed=args.seed + 1000), n_batches=8)
+        print(
+            f"| {name} | {res['eval_loss']:.3f} | {res['eval_r']:.2f} | {res['eval_r_text']:.2f} "
+            f"| {res['eval_r_image']:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -2,21 +2,30 @@
 
     python scripts/build_tokenizer.py [--out DIR] [--vocab-size 8192]
 
-The default ``--out`` is the copy shipped in the package (``data_pipelines/assets/tokenizer/``); a rebuild with
-the Python version recorded in its ``BUILD_INFO.json`` reproduces ``tokenizer.json`` byte for byte.
+The default ``--out`` is ``data_pipelines/assets/tokenizer`` relative to the current directory: run from the
+repository root, that is the copy shipped in the package; from anywhere else it is a new folder under the current
+directory (never the installed package's files). A rebuild with the Python version recorded in its
+``BUILD_INFO.json`` reproduces ``tokenizer.json`` byte for byte.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
-from data_pipelines.tokenizer import DEFAULT_TOKENIZER_DIR, DEFAULT_VOCAB_SIZE, save_default_tokenizer
+from data_pipelines.tokenizer import DEFAULT_VOCAB_SIZE, save_default_tokenizer
+
+DEFAULT_OUT = Path("data_pipelines") / "assets" / "tokenizer"  # relative to the current directory
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(DEFAULT_TOKENIZER_DIR), help="output folder (default: %(default)s)")
+    parser.add_argument(
+        "--out",
+        default=str(DEFAULT_OUT),
+        help="output folder, relative to the current directory (default: %(default)s)",
+    )
     parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="default: %(default)s")
     args = parser.parse_args()
     start = time.perf_counter()

@@ -27,8 +27,10 @@ def run(name: str, config: ConceptMoEConfig, corpus: dict, args) -> dict:
     start = time.time()
 
     def log(rec: dict) -> None:
-        if rec["step"] % args.log_every == 0 or rec["step"] == 1:
-            ratio = f" ratio {rec['ratio_loss']:.3f}" if "ratio_loss" in rec else ""
+        if rec["skipped"]:
+            print(f"[{name}] step {rec['step']:4d}  skipped (non-finite loss)", flush=True)
+        elif rec["step"] % args.log_every == 0 or rec["step"] == 1:
+            ratio = f" ratio {rec['ratio_loss']:.3f}" if config.chunking == "dynamic" else ""
             print(
                 f"[{name}] step {rec['step']:4d}  loss {rec['loss']:.3f}  lm {rec['lm_loss']:.3f}{ratio}  "
                 f"R {rec['r']:.2f}  {rec['tokens_per_s']:,.0f} tok/s",
@@ -38,13 +40,13 @@ def run(name: str, config: ConceptMoEConfig, corpus: dict, args) -> dict:
     batches = packed_batches(corpus["train"], tok, args.seq_len, args.batch_size, seed=args.seed)
     history = train(model, batches, TrainSettings(steps=args.steps, lr=args.lr), on_step=log)
     held_out = evaluate(model, packed_batches(corpus["eval"], tok, args.seq_len, args.batch_size, seed=0))
-    tail = history[-min(50, len(history)) :]
+    tail = [h for h in history[-min(50, len(history)) :] if not h["skipped"]]
     return {
         "model": model,
         "params": flops.count(config)["params_total"],
         "train_r": sum(h["r"] for h in tail) / len(tail),
-        "eval_r": held_out["r"],
-        "bits_per_byte": held_out["bits_per_token"],
+        "eval_r": held_out["eval_r"],
+        "bits_per_byte": held_out["eval_bits_per_token"],
         "minutes": (time.time() - start) / 60,
     }
 

@@ -2,8 +2,11 @@
 
     python scripts/make_eval_data.py [--out eval/tasks] [--seed 0] [--tasks cmoe_niah,...] [sizes ...]
 
-Writes OUT/<task>/data/{test.jsonl,images/,manifest.json}; with another --out the task YAML and utils.py are
-copied there too, so that `lmms-eval --include_path OUT` works on its own. See eval/eval_data.py.
+Writes OUT/<task>/data/{test.jsonl,images/,manifest.json}. OUT defaults to eval/tasks relative to the current
+directory: run from the repository root, that is the project's own task folder (`lmms-eval --include_path
+eval/tasks`); anywhere else, and for any other --out, the task YAML and utils.py are copied next to the data, so that
+`lmms-eval --include_path OUT` works on its own. Nothing is written into the installed package. See
+eval/eval_data.py.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import logging
 import sys
 import time
 
-from eval.eval_data import LONGDOC_PAGES, NIAH_LENGTHS, TASKS, TASKS_DIR, write_eval_sets
+from eval.eval_data import DEFAULT_OUT, LONGDOC_PAGES, NIAH_LENGTHS, TASKS, write_eval_sets
 
 
 def _ints(text: str) -> list[int]:
@@ -22,7 +25,11 @@ def _ints(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(TASKS_DIR), help="folder of the task folders (default: eval/tasks)")
+    parser.add_argument(
+        "--out",
+        default=str(DEFAULT_OUT),
+        help="folder of the task folders, relative to the current directory (default: %(default)s)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated subset of {','.join(TASKS)}")
     parser.add_argument("--longdoc-per-bucket", type=int, default=20, help="documents per page count")

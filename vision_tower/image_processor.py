@@ -1,10 +1,10 @@
 """Images -> NaFlex patch batches at native aspect ratio within a patch budget.
 
-Each image is resized (aspect ratio kept) to the largest grid of ``patch_size * merge`` pixel blocks that fits
+Each image is resized (aspect ratio kept) to the largest grid of ``patch_size * pixel_shuffle`` pixel blocks that fits
 ``max_patches`` and, unless ``upscale``, the image's own size (native resolution: a small image costs few tokens).
 It is then normalised and cut into patches with timm's ``Patchify`` (channels-last flattening, (y, x) coordinates
-in row-major order). Grids are multiples of ``merge`` in both dimensions, so a 2x2 pixel-shuffle merge never meets
-a ragged edge, and an image becomes ``gh * gw // merge**2`` language-model tokens.
+in row-major order). Grids are multiples of ``pixel_shuffle`` in both dimensions, so a 2x2 pixel shuffle never
+meets a ragged edge, and an image becomes ``gh * gw // pixel_shuffle**2`` language-model tokens.
 """
 
 from __future__ import annotations
@@ -79,17 +79,17 @@ def _check_image(image, index: int) -> Image.Image:
 class ImageProcessor:
     """PIL images -> ``patches`` / ``patch_coord`` / ``patch_valid`` / ``grid_hw`` / ``num_tokens`` tensors.
 
-    ``max_patches`` is the budget before merging (``max_patches // merge**2`` LM tokens per image at most). Large
-    images shrink into the budget; small ones keep their resolution (rounded down to whole blocks), or with
+    ``max_patches`` is the budget before the pixel shuffle (``max_patches // pixel_shuffle**2`` LM tokens per image at
+    most). Large images shrink into the budget; small ones keep their resolution (rounded down to whole blocks), or with
     ``upscale=True`` grow to fill the budget as timm's NaFlex transforms / SigLIP-2 do. Every image gets at least
-    one ``merge x merge`` block.
+    one ``pixel_shuffle x pixel_shuffle`` block.
     """
 
     def __init__(
         self,
         patch_size: int = 16,
         max_patches: int = 256,
-        merge: int = 2,
+        pixel_shuffle: int = 2,
         mean: Sequence[float] = (0.5, 0.5, 0.5),
         std: Sequence[float] = (0.5, 0.5, 0.5),
         upscale: bool = False,
@@ -100,30 +100,35 @@ class ImageProcessor:
 
         is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)
         need(is_int(patch_size) and patch_size >= 1, "patch_size", "must be a positive int", patch_size)
-        need(merge in (1, 2) and is_int(merge), "merge", "must be 1 or 2", merge)
+        need(pixel_shuffle in (1, 2) and is_int(pixel_shuffle), "pixel_shuffle", "must be 1 or 2", pixel_shuffle)
         need(is_int(max_patches), "max_patches", "must be an int", max_patches)
-        need(max_patches >= merge**2, "max_patches", f"must be >= merge**2 = {merge**2}", max_patches)
+        need(
+            max_patches >= pixel_shuffle**2,
+            "max_patches",
+            f"must be >= pixel_shuffle**2 = {pixel_shuffle**2}",
+            max_patches,
+        )
         for name, values in (("mean", mean), ("std", std)):
             ok = isinstance(values, Sequence) and len(values) == 3 and all(isinstance(v, int | float) for v in values)
             need(ok, name, "must be 3 numbers (one per RGB channel)", values)
         need(all(s > 0 for s in std), "std", "must be > 0", std)
         need(isinstance(upscale, bool), "upscale", "must be a bool", upscale)
-        self.patch_size, self.max_patches, self.merge = patch_size, max_patches, merge
+        self.patch_size, self.max_patches, self.pixel_shuffle = patch_size, max_patches, pixel_shuffle
         self.mean, self.std = tuple(float(v) for v in mean), tuple(float(v) for v in std)
         self.upscale = upscale
         self._patchify = Patchify(patch_size, channels_last=True)
 
     # ------------------------------------------------------------------ sizes (arithmetic only)
     def grid_for(self, height: int, width: int) -> tuple[int, int]:
-        """Patch grid (gh, gw) of an image of this pixel size; both are multiples of ``merge``."""
-        block, budget = self.patch_size * self.merge, self.max_patches // self.merge**2
+        """Patch grid (gh, gw) of an image of this pixel size; both are multiples of ``pixel_shuffle``."""
+        block, budget = self.patch_size * self.pixel_shuffle, self.max_patches // self.pixel_shuffle**2
         bh, bw = fit_grid(height, width, block, budget, self.upscale)
-        return bh * self.merge, bw * self.merge
+        return bh * self.pixel_shuffle, bw * self.pixel_shuffle
 
     def num_tokens_for(self, image: Image.Image) -> int:
         """How many LM tokens ``image`` becomes, from its size alone (no pixels are read)."""
         gh, gw = self.grid_for(_check_image(image, 0).height, image.width)
-        return gh * gw // self.merge**2
+        return gh * gw // self.pixel_shuffle**2
 
     # ------------------------------------------------------------------ pixels
     def preprocess(self, image: Image.Image) -> torch.Tensor:
@@ -160,7 +165,7 @@ class ImageProcessor:
             out["patches"][i, :k] = p["patches"]
             out["patch_coord"][i, :k] = p["patch_coord"]
             out["patch_valid"][i, :k] = True
-        out["num_tokens"] = out["grid_hw"].prod(-1) // self.merge**2
+        out["num_tokens"] = out["grid_hw"].prod(-1) // self.pixel_shuffle**2
         return out
 
     # ------------------------------------------------------------------ persistence (HF-style)
@@ -169,7 +174,7 @@ class ImageProcessor:
             "image_processor_type": type(self).__name__,
             "patch_size": self.patch_size,
             "max_patches": self.max_patches,
-            "merge": self.merge,
+            "pixel_shuffle": self.pixel_shuffle,
             "mean": list(self.mean),
             "std": list(self.std),
             "upscale": self.upscale,
@@ -190,7 +195,9 @@ class ImageProcessor:
             raise FileNotFoundError(f"ImageProcessor.from_pretrained: no {CONFIG_NAME} at {path}")
         config = json.loads(path.read_text())
         config.pop("image_processor_type", None)
-        known = {"patch_size", "max_patches", "merge", "mean", "std", "upscale"}
+        if "merge" in config:  # the field's name before it was renamed: files saved then still load
+            config.setdefault("pixel_shuffle", config.pop("merge"))
+        known = {"patch_size", "max_patches", "pixel_shuffle", "mean", "std", "upscale"}
         if unknown := sorted(set(config) - known):
             logger.warning("ImageProcessor.from_pretrained: ignoring unknown keys %s in %s", unknown, path)
         return cls(**{k: v for k, v in config.items() if k in known})

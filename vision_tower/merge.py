@@ -1,5 +1,9 @@
 """Pixel-shuffle merge: each merge x merge block of patch features becomes one token (4x fewer image tokens at 2)."""
 
+# Shape suffixes (docs/paper.md §0): B images of the patch batch, L patches per image, D feature width,
+# V the valid patches of the batch flattened, T merged image tokens of the batch, l the patches of one merge block,
+# 2 a (y, x) pair.
+
 from __future__ import annotations
 
 import torch
@@ -42,5 +46,5 @@ def pixel_shuffle_merge(
     token_V = offset_B[b_V] + (y_V // m) * (gw_B[b_V] // m) + x_V // m
     sub_V = (y_V % m) * m + x_V % m
     total = int(tokens_B.sum())
-    merged_TSD = features_BLD.new_zeros(total, m * m, dim).index_put((token_V, sub_V), features_BLD[b_V, l_V])
-    return merged_TSD.reshape(total, m * m * dim)
+    merged_TlD = features_BLD.new_zeros(total, m * m, dim).index_put((token_V, sub_V), features_BLD[b_V, l_V])
+    return merged_TlD.reshape(total, m * m * dim)

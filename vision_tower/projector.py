@@ -1,5 +1,7 @@
 """Vision width -> backbone width."""
 
+# Shape suffixes (docs/paper.md §0): T image tokens of the batch flattened, D feature width.
+
 from __future__ import annotations
 
 import torch
@@ -24,5 +26,5 @@ class Projector(nn.Module):
         self.act = nn.GELU()
         self.fc2 = nn.Linear(hidden_dim, out_dim)
 
-    def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x_ND)))
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x_TD)))

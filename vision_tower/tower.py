@@ -4,6 +4,9 @@ Both take the ``ImageProcessor`` batch (patches, (y, x) coordinates, validity) a
 with the input patches, prefix tokens (class / register) dropped and padding rows zeroed.
 """
 
+# Shape suffixes (docs/paper.md §0): B images of the patch batch, b the images of one size, L patches per image,
+# D feature width, P values per patch (patch_size² × 3), V the valid patches of the batch flattened, 2 a (y, x) pair.
+
 from __future__ import annotations
 
 import logging
@@ -189,18 +192,18 @@ class VisionTower(nn.Module):
             return features_BLD
         out_rows, out_vals = [], []
         for (gh, gw), members in groups.items():
-            members_G = torch.tensor(members, device=patches_BLP.device)
+            members_b = torch.tensor(members, device=patches_BLP.device)
             row_of_B = torch.full((n,), -1, dtype=torch.long, device=patches_BLP.device)
-            row_of_B[members_G] = torch.arange(len(members), device=patches_BLP.device)
+            row_of_B[members_b] = torch.arange(len(members), device=patches_BLP.device)
             in_group_V = row_of_B[b_V] >= 0
             g_V, cell_V = row_of_B[b_V][in_group_V], (y_V * gw + x_V)[in_group_V]
-            grid_GNP = patches_BLP.new_zeros(len(members), gh * gw, patches_BLP.shape[-1])
-            grid_GNP = grid_GNP.index_put((g_V, cell_V), patches_BLP[b_V[in_group_V], l_V[in_group_V]])
-            # [G, gh*gw, p*p*3] -> [G, gh, gw, p, p, 3] -> [G, 3, gh, p, gw, p] -> [G, 3, gh*p, gw*p]
-            img_G3HW = grid_GNP.view(len(members), gh, gw, p, p, 3).permute(0, 5, 1, 3, 2, 4)
-            img_G3HW = img_G3HW.reshape(len(members), 3, gh * p, gw * p)
-            feats_GND = self.model.forward_features(img_G3HW)[:, self.num_prefix_tokens :]
+            grid_bLP = patches_BLP.new_zeros(len(members), gh * gw, patches_BLP.shape[-1])
+            grid_bLP = grid_bLP.index_put((g_V, cell_V), patches_BLP[b_V[in_group_V], l_V[in_group_V]])
+            # [b, gh*gw, p*p*3] -> [b, gh, gw, p, p, 3] -> [b, 3, gh, p, gw, p] -> [b, 3, gh*p, gw*p] (pixels)
+            images = grid_bLP.view(len(members), gh, gw, p, p, 3).permute(0, 5, 1, 3, 2, 4)
+            images = images.reshape(len(members), 3, gh * p, gw * p)
+            feats_bLD = self.model.forward_features(images)[:, self.num_prefix_tokens :]
             out_rows.append((b_V[in_group_V], l_V[in_group_V]))
-            out_vals.append(feats_GND[g_V, cell_V])
+            out_vals.append(feats_bLD[g_V, cell_V])
         b_idx, l_idx = (torch.cat(t) for t in zip(*out_rows))
         return features_BLD.index_put((b_idx, l_idx), torch.cat(out_vals))

@@ -1,4 +1,8 @@
-"""ConceptMoE backbone and VLM: ``from vlm import ConceptMoEConfig, ConceptMoEForCausalLM, ConceptMoEVLM``."""
+"""ConceptMoE backbone and VLM: ``from vlm import ConceptMoEConfig, ConceptMoEForCausalLM, ConceptMoEVLM``.
+
+The models and configs are imported (and registered with the HF Auto classes) here; ``VLMProcessor`` is resolved on
+first use (PEP 562), so ``import vlm`` does not load the tokenizer code of ``data_pipelines``.
+"""
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -7,7 +11,6 @@ from vlm.backbone.model import ConceptMoEForCausalLM, ConceptMoEModel
 from vlm.backbone.outputs import ConceptMoECausalLMOutput
 from vlm.config import ConceptMoEVLMConfig
 from vlm.model import ConceptMoEVLM
-from vlm.processor import VLMProcessor
 
 AutoConfig.register(ConceptMoEConfig.model_type, ConceptMoEConfig, exist_ok=True)
 AutoModel.register(ConceptMoEConfig, ConceptMoEModel, exist_ok=True)
@@ -25,3 +28,11 @@ __all__ = [
     "ConceptMoEVLM",
     "VLMProcessor",
 ]
+
+
+def __getattr__(name: str):
+    if name == "VLMProcessor":
+        from vlm.processor import VLMProcessor
+
+        return VLMProcessor
+    raise AttributeError(f"module 'vlm' has no attribute {name!r}")

@@ -4,7 +4,24 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from vlm.backbone.config import ConceptMoEConfig
+from vlm.backbone.config import ConceptMoEConfig, Rule, check_rules, field_rule, rename_legacy_fields
+
+# Fields renamed since the first release: configs saved under the old name still load (mapped, with a warning).
+VLM_RENAMED_FIELDS = {"vision_merge": "pixel_shuffle"}
+_TOWER_FIELDS = ("vision_embed_dim", "vision_depth", "vision_heads", "patch_size")
+
+VLM_RULES: tuple[Rule, ...] = (
+    Rule("image_token_id", lambda c: 0 <= c.image_token_id < c.text_config.vocab_size,
+         "must be in [0, text_config.vocab_size={c.text_config.vocab_size})"),
+    field_rule("pixel_shuffle", lambda m: m in (1, 2), "allowed values are 1 (none) and 2 (2x2 pixel shuffle)"),
+    Rule("max_patches", lambda c: c.max_patches >= c.pixel_shuffle**2, "must be >= pixel_shuffle**2"),
+    *(field_rule(f, lambda v: v is None or (isinstance(v, int) and v >= 1), "must be None (timm's) or an int >= 1")
+      for f in _TOWER_FIELDS),
+    Rule("vision_embed_dim", lambda c: None in (c.vision_embed_dim, c.vision_heads)
+         or c.vision_embed_dim % c.vision_heads == 0, "must be divisible by vision_heads"),
+    field_rule("vision_model", lambda name: name.startswith(("naflexvit", "vit_")),
+               "must name a timm NaFlexViT ('naflexvit_*') or ViT ('vit_*') model"),
+)  # fmt: skip
 
 # Vision towers per preset: random-init NaFlexViTs small enough for CPU tests and demos.
 VISION_PRESETS = {
@@ -16,7 +33,7 @@ VISION_PRESETS = {
 class ConceptMoEVLMConfig(PretrainedConfig):
     """Backbone config + vision tower (timm), projector and how images enter the token sequence.
 
-    Images become ``num_tokens`` slots each (patch grid / ``vision_merge``²) in the token rows; the slots hold
+    Images become ``num_tokens`` slots each (patch grid / ``pixel_shuffle``²) in the token rows; the slots hold
     ``image_token_id`` and ``modality_ids == 1``. ``modality_boundaries`` forces a concept boundary on
     the last token of every modality span, so that no concept mixes text and image tokens (causal: the
     layout of a sequence — where its images are — is known before their content).
@@ -36,7 +53,7 @@ class ConceptMoEVLMConfig(PretrainedConfig):
         vision_pos_embed: str | None = None,
         vision_weights: str | None = None,
         vision_pretrained: bool = False,
-        vision_merge: int = 2,
+        pixel_shuffle: int = 2,
         max_patches: int = 256,
         projector_hidden: int | None = None,
         image_token_id: int | None = None,
@@ -45,6 +62,9 @@ class ConceptMoEVLMConfig(PretrainedConfig):
         freeze_backbone: bool = False,
         **kwargs,
     ):
+        pixel_shuffle = rename_legacy_fields(
+            {k: kwargs.pop(k) for k in VLM_RENAMED_FIELDS if k in kwargs}, "ConceptMoEVLMConfig", VLM_RENAMED_FIELDS
+        ).get("pixel_shuffle", pixel_shuffle)
         if text_config is None:
             text_config = ConceptMoEConfig.from_preset("tiny")
         elif isinstance(text_config, dict):
@@ -58,7 +78,7 @@ class ConceptMoEVLMConfig(PretrainedConfig):
         self.vision_pos_embed = vision_pos_embed
         self.vision_weights = vision_weights
         self.vision_pretrained = vision_pretrained
-        self.vision_merge = vision_merge
+        self.pixel_shuffle = pixel_shuffle
         self.max_patches = max_patches
         self.projector_hidden = projector_hidden
         self.image_token_id = text_config.vocab_size - 1 if image_token_id is None else image_token_id
@@ -69,29 +89,8 @@ class ConceptMoEVLMConfig(PretrainedConfig):
         self.validate_fields()
 
     def validate_fields(self) -> None:
-        def need(ok: bool, field: str, allowed: str) -> None:
-            if not ok:
-                raise ValueError(f"ConceptMoEVLMConfig.{field}={getattr(self, field)!r} is invalid: {allowed}")
-
-        vocab = self.text_config.vocab_size
-        need(0 <= self.image_token_id < vocab, "image_token_id", f"must be in [0, text_config.vocab_size={vocab})")
-        need(self.vision_merge in (1, 2), "vision_merge", "allowed values are 1 (no merge) and 2 (2x2 pixel shuffle)")
-        need(self.max_patches >= self.vision_merge**2, "max_patches", "must be >= vision_merge**2")
-        for field in ("vision_embed_dim", "vision_depth", "vision_heads", "patch_size"):
-            value = getattr(self, field)
-            need(
-                value is None or (isinstance(value, int) and value >= 1), field, "must be None (timm's) or an int >= 1"
-            )
-        need(
-            None in (self.vision_embed_dim, self.vision_heads) or self.vision_embed_dim % self.vision_heads == 0,
-            "vision_embed_dim",
-            "must be divisible by vision_heads",
-        )
-        need(
-            self.vision_model.startswith(("naflexvit", "vit_")),
-            "vision_model",
-            "must name a timm NaFlexViT ('naflexvit_*') or ViT ('vit_*') model",
-        )
+        """Raise ``ValueError`` naming the first invalid field and its allowed values (the rules in ``VLM_RULES``)."""
+        check_rules(self, VLM_RULES)
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> ConceptMoEVLMConfig:
@@ -103,6 +102,7 @@ class ConceptMoEVLMConfig(PretrainedConfig):
         if base not in VISION_PRESETS:
             raise ValueError(f"unknown VLM preset {name!r}; allowed values are tiny, small, tiny-moe, small-moe")
         vlm_fields = set(cls.__init__.__code__.co_varnames) - {"self", "text_config", "kwargs"}
+        overrides = rename_legacy_fields(overrides, "ConceptMoEVLMConfig", VLM_RENAMED_FIELDS)
         text_overrides = {k: v for k, v in overrides.items() if k not in vlm_fields}
         vlm_overrides = {k: v for k, v in overrides.items() if k in vlm_fields}
         text_config = ConceptMoEConfig.from_preset(name, **text_overrides)

@@ -2,8 +2,12 @@
 
 The whole interleaved sequence (text and image tokens) goes through encoder, chunker and concept model as
 one flat sequence, as in the paper (§4.2); a single global target R holds over all tokens, and
-``chunk_stats`` reports R per modality (0 = text, 1 = image).
+``chunk_stats`` reports R per modality (0 = text, 1 = image; docs/paper.md §11). ``modality_boundaries`` is the
+project's extension of docs/paper.md §12.6.
 """
+
+# Shape suffixes (docs/paper.md §0): B batch rows (token sequences; images in the vision tower's patch batch),
+# N tokens per row, D model / feature width, L patches per image, T image tokens of the batch flattened, 2 a pair.
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from transformers import initialization as init
 
 from data_pipelines.schema import Modality
 from vision_tower import Projector, VisionTower, pixel_shuffle_merge
+from vlm.backbone.config import rename_legacy_fields
 from vlm.backbone.decoding import ConceptMoEGenerationMixin
 from vlm.backbone.model import ConceptMoEForCausalLM
 from vlm.backbone.outputs import ConceptMoECausalLMOutput
@@ -54,7 +59,9 @@ class ConceptMoEVLM(PreTrainedModel, ConceptMoEGenerationMixin):
             config.vision_init_source = config.vision_weights or f"timm:{config.vision_model}"
             config.vision_weights, config.vision_pretrained = None, False
         d_model = config.text_config.d_model
-        self.projector = Projector(self.vision_tower.out_dim * config.vision_merge**2, d_model, config.projector_hidden)
+        self.projector = Projector(
+            self.vision_tower.out_dim * config.pixel_shuffle**2, d_model, config.projector_hidden
+        )
         self.language_model = ConceptMoEForCausalLM(config.text_config)
         self.post_init()
         self.apply_freezing()
@@ -97,6 +104,16 @@ class ConceptMoEVLM(PreTrainedModel, ConceptMoEGenerationMixin):
         model.apply_freezing()
         return model
 
+    def set_chunking(self, modality_boundaries: bool | None = None, **settings) -> None:
+        """Change chunking settings in place: the backbone's (``ConceptMoEForCausalLM.set_chunking``: ``chunking``,
+        ``target_r``, ``noise_tau``, ...; ``config.text_config`` follows) and the VLM's ``modality_boundaries``."""
+        settings = rename_legacy_fields(settings, "set_chunking")
+        self.language_model.set_chunking(**settings)
+        for name in settings:
+            setattr(self.config.text_config, name, getattr(self.language_model.config, name))
+        if modality_boundaries is not None:
+            self.config.modality_boundaries = bool(modality_boundaries)
+
     def apply_freezing(self) -> None:
         """``freeze_vision`` / ``freeze_backbone``: stop gradients to the tower / to the language model."""
         self.vision_tower.requires_grad_(not self.config.freeze_vision)
@@ -126,14 +143,14 @@ class ConceptMoEVLM(PreTrainedModel, ConceptMoEGenerationMixin):
         """[sum of num_tokens over the images, d_model], images in batch order, tokens row-major."""
         feats = self.vision_tower(patches, patch_coord, patch_valid)
         tokens = pixel_shuffle_merge(
-            feats.features_BLD, feats.coord_BL2, feats.valid_BL, grid_hw, self.config.vision_merge
+            feats.features_BLD, feats.coord_BL2, feats.valid_BL, grid_hw, self.config.pixel_shuffle
         )
         return self.projector(tokens)
 
     def idle_image_pass(self, like: torch.Tensor) -> torch.Tensor:
         """The tower and projector on one blank merge block: a text-only training batch still uses (and gives a
         zero gradient to) every vision parameter, like the batches of the other ranks."""
-        m, p = self.config.vision_merge, self.vision_tower.patch_size
+        m, p = self.config.pixel_shuffle, self.vision_tower.patch_size
         coord = torch.stack(torch.meshgrid(torch.arange(m), torch.arange(m), indexing="ij"), -1).reshape(1, m * m, 2)
         patches = like.new_zeros(1, m * m, p * p * 3)
         valid = torch.ones(1, m * m, dtype=torch.bool, device=like.device)
@@ -154,13 +171,13 @@ class ConceptMoEVLM(PreTrainedModel, ConceptMoEGenerationMixin):
             if self.training:  # every rank must run the same modules (ZeRO-3 gathers, DDP/ZeRO buckets)
                 embeds_BND = embeds_BND + 0.0 * self.idle_image_pass(embeds_BND)
             return embeds_BND
-        image_ND = self.image_embeddings(patches, patch_coord, patch_valid, grid_hw).to(embeds_BND.dtype)
-        if image_ND.shape[0] != n_slots:
+        image_TD = self.image_embeddings(patches, patch_coord, patch_valid, grid_hw).to(embeds_BND.dtype)
+        if image_TD.shape[0] != n_slots:
             raise ValueError(
-                f"input has {n_slots} image slots but its {n_images} images give {image_ND.shape[0]} tokens: "
-                "build inputs with VLMProcessor and an ImageProcessor whose merge equals vision_merge"
+                f"input has {n_slots} image slots but its {n_images} images give {image_TD.shape[0]} tokens: "
+                "build inputs with VLMProcessor and an ImageProcessor whose pixel_shuffle equals the model's"
             )
-        return embeds_BND.masked_scatter(slots_BN[..., None], image_ND)
+        return embeds_BND.masked_scatter(slots_BN[..., None], image_TD)
 
     def forward(
         self,

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from PIL import Image
 
+from data_pipelines.jsonl import read_json_lines
 from data_pipelines.tokenizer import IMAGE_TOKEN
 from eval import metrics
 from eval.eval_data import LONGDOC_PAGES, NIAH_DEPTHS, NIAH_LENGTHS, NIAH_MODALITIES
@@ -60,17 +61,12 @@ def _resolve(doc: dict, data_dir: Path) -> dict:
 def parse_lines(lines, data_dir: Path, task: str) -> tuple[list[dict], dict]:
     """Docs from raw JSONL lines: (docs, counts of ``malformed`` / ``missing_field`` / ``missing_image`` skips)."""
     docs, skipped = [], {"malformed": 0, "missing_field": 0, "missing_image": 0}
-    for lineno, line in enumerate(lines, start=1):
-        if not line or not line.strip():
-            continue
-        try:
-            doc = json.loads(line)
-            if not isinstance(doc, dict):
-                raise ValueError(f"a JSON {type(doc).__name__}, not an object")
-        except ValueError as err:
-            skipped["malformed"] += 1
-            logger.warning("%s: line %d skipped, malformed JSON (%s)", task, lineno, str(err).splitlines()[0])
-            continue
+
+    def malformed(lineno: int, why: str) -> None:
+        skipped["malformed"] += 1
+        logger.warning("%s: line %d skipped, malformed JSON (%s)", task, lineno, why)
+
+    for lineno, doc in read_json_lines(lines, malformed):
         missing = [k for k in REQUIRED[task] if k not in doc]
         if missing:
             skipped["missing_field"] += 1

@@ -1,11 +1,15 @@
 import hashlib
 import json
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from data_pipelines import synthetic
-from eval.eval_data import TASKS, write_eval_sets
+from eval.eval_data import TASKS, TASKS_DIR, write_eval_sets
 from eval.tasks import common
 
 
@@ -93,3 +97,18 @@ def test_bad_lines_and_missing_images_are_skipped_and_counted(eval_tasks_dir, ca
     assert "line 2 skipped, malformed JSON" in caplog.text and "nope.png" in caplog.text
     with pytest.raises(FileNotFoundError, match="nope.png"):
         common.refloc_visual({"image": str(data_dir / "images" / "nope.png")})
+
+
+def test_script_default_out_is_relative_to_the_current_directory(tmp_path):
+    """``scripts/make_eval_data.py`` without ``--out`` writes ``./eval/tasks`` under the current directory (never into
+    the installed package), with the task YAML and utils.py copied beside the data for ``--include_path``."""
+    repo = Path(__file__).resolve().parents[2]
+    shipped = sorted(p.name for p in (TASKS_DIR / "cmoe_refloc").iterdir())
+    script = repo / "scripts" / "make_eval_data.py"
+    cmd = [sys.executable, str(script), "--tasks", "cmoe_refloc", "--refloc-n", "2"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    subprocess.run(cmd, cwd=tmp_path, env=env, check=True, capture_output=True, timeout=120)
+    task = tmp_path / "eval" / "tasks" / "cmoe_refloc"
+    assert len(_docs(tmp_path / "eval" / "tasks", "cmoe_refloc")) == 2
+    assert (task / "cmoe_refloc.yaml").is_file() and (task / "utils.py").is_file()
+    assert sorted(p.name for p in (TASKS_DIR / "cmoe_refloc").iterdir()) == shipped  # the package is untouched

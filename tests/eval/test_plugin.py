@@ -1,6 +1,10 @@
 """The plugin in process: batched log-likelihoods against a direct computation, chunking overrides, bad docs."""
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -10,6 +14,13 @@ from PIL import Image
 from eval import lmms_generation as gen
 from eval.lmms_plugin import ConceptMoELMMs, manifests, output_path_from_argv
 from eval.ppl import evaluate_ppl, windows
+
+REPO = Path(__file__).resolve().parents[2]
+IMPORTS = {
+    "plugin_first": "import eval.lmms_plugin\nfrom lmms_eval.models import get_model",
+    "lmms_eval_first": "from lmms_eval.models import get_model\nimport eval.lmms_plugin",
+    "entry_point_module_first": "import eval.lmms_entry\nfrom lmms_eval.models import get_model",
+}
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +38,19 @@ def test_manifest_and_argv():
     assert m.model_id == "conceptmoe" and m.simple_class_path == "eval.lmms_plugin.ConceptMoELMMs"
     assert output_path_from_argv(["x", "--output_path", "o"]) == "o"
     assert output_path_from_argv(["--output_path=p"]) == "p" and output_path_from_argv([]) is None
+
+
+@pytest.mark.parametrize("order", sorted(IMPORTS))
+def test_model_resolves_in_any_import_order(order):
+    """lmms-eval loads the entry points while ``lmms_eval.models`` initialises, which importing the plugin first
+    triggers from inside the plugin's own import; in every order, a fresh process resolves ``conceptmoe``."""
+    code = IMPORTS[order] + "\ncls = get_model('conceptmoe')\nprint('RESOLVED', cls.__module__, cls.__name__)"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{order}: exit {proc.returncode}\n{output[-3000:]}"
+    assert "RESOLVED eval.lmms_plugin ConceptMoELMMs" in proc.stdout, output[-3000:]
+    assert "Failed to load model entry-point manifests" not in output, output[-3000:]
 
 
 def test_loglikelihood_batched_matches_direct_forward(plugin):

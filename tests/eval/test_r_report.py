@@ -108,7 +108,7 @@ def test_counts_and_r_by_modality_give_per_modality_r(tmp_path):
             "loss": 1.0,
             "r": 2.0,
             "r_by_modality": {"0": 1.5, "1": 3.0},
-        },  # vlm.training.single_process's record
+        },  # ratios only, in chunk_stats' r_by_modality form
     ]
     records = load_records(_write_lines(tmp_path / "metrics.jsonl", lines))
     got = [(st["r"], st["r_text"], st["r_image"]) for st in records.steps]

@@ -1,5 +1,7 @@
 """ImageProcessor: patch budget and aspect ratio, image modes, patch layout, persistence, errors."""
 
+# Shape suffixes (docs/paper.md §0): L patches per image, P values per patch, 2 a (y, x) pair.
+
 import json
 from fractions import Fraction
 
@@ -30,7 +32,7 @@ def scale_range(k, side):
 @pytest.mark.parametrize("upscale", [False, True])
 @pytest.mark.parametrize("patch_size,max_patches,merge", [(16, 256, 2), (14, 100, 1), (8, 36, 2)])
 def test_grid_respects_budget_aspect_and_covers_once(patch_size, max_patches, merge, upscale):
-    proc = ImageProcessor(patch_size=patch_size, max_patches=max_patches, merge=merge, upscale=upscale)
+    proc = ImageProcessor(patch_size=patch_size, max_patches=max_patches, pixel_shuffle=merge, upscale=upscale)
     images = [Image.new("RGB", size, (40, 90, 200)) for size in SIZES]
     out = proc(images)
     budget, block = max_patches // merge**2, patch_size * merge
@@ -72,7 +74,7 @@ def test_block_aligned_small_image_keeps_its_pixels():
 
 
 def test_patches_round_trip_to_resized_image():
-    proc = ImageProcessor(patch_size=8, max_patches=64, merge=2)
+    proc = ImageProcessor(patch_size=8, max_patches=64, pixel_shuffle=2)
     rng = np.random.default_rng(0)
     images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in [(37, 90), (64, 64)]]
     out = proc(images)
@@ -89,7 +91,7 @@ def test_coordinates_are_y_then_x_and_normalised():
     arr = np.zeros((64, 128, 3), np.uint8)
     arr[:, :64, 0] = 255
     arr[:, 64:, 2] = 255
-    out = ImageProcessor(patch_size=16, max_patches=32, merge=2)([Image.fromarray(arr)])
+    out = ImageProcessor(patch_size=16, max_patches=32, pixel_shuffle=2)([Image.fromarray(arr)])
     assert out["grid_hw"][0].tolist() == [4, 8]
     patches, coord = out["patches"][0].view(-1, 16, 16, 3), out["patch_coord"][0]
     left, right = patches[coord[:, 1] == 0], patches[coord[:, 1] == 7]
@@ -176,8 +178,8 @@ def test_deterministic():
 @pytest.mark.parametrize(
     "kwargs,name",
     [
-        (dict(merge=3), "merge"),
-        (dict(merge=2, max_patches=3), "max_patches"),
+        (dict(pixel_shuffle=3), "pixel_shuffle"),
+        (dict(pixel_shuffle=2, max_patches=3), "max_patches"),
         (dict(patch_size=0), "patch_size"),
         (dict(patch_size=16.0), "patch_size"),
         (dict(mean=(0.5, 0.5)), "mean"),
@@ -201,3 +203,11 @@ def test_save_and_load(tmp_path):
     assert torch.equal(loaded([img])["patches"], proc([img])["patches"])
     with pytest.raises(FileNotFoundError, match="image_processor_config.json"):
         ImageProcessor.from_pretrained(tmp_path / "missing")
+
+
+def test_a_file_saved_before_the_pixel_shuffle_rename_loads(tmp_path):
+    path = ImageProcessor(16, 64, 1).save_pretrained(tmp_path)
+    fields = json.loads(path.read_text())
+    fields["merge"] = fields.pop("pixel_shuffle")  # the field's first name
+    path.write_text(json.dumps(fields))
+    assert ImageProcessor.from_pretrained(tmp_path).pixel_shuffle == 1

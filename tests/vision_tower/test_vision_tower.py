@@ -1,5 +1,7 @@
 """VisionTower (timm NaFlexViT / plain ViT) and Projector on tiny configs."""
 
+# Shape suffixes (docs/paper.md §0): B images of the patch batch, L patches per image, D feature width, 2 a pair.
+
 import numpy as np
 import pytest
 import torch
@@ -9,7 +11,7 @@ from safetensors.torch import save_file
 from vision_tower import ImageProcessor, Projector, VisionTower
 
 TINY = dict(embed_dim=32, depth=2, num_heads=2, patch_size=8)
-PROC = ImageProcessor(patch_size=8, max_patches=64, merge=2)
+PROC = ImageProcessor(patch_size=8, max_patches=64, pixel_shuffle=2)
 
 
 def images():
@@ -70,9 +72,9 @@ def test_plain_vit_matches_timm_on_the_rebuilt_image():
     with torch.no_grad():
         out = run(tower, batch)
         for i, img in enumerate(imgs):
-            ref_ND = tower.model.forward_features(PROC.preprocess(img)[None])[0, 1:]  # cls token dropped
+            ref_LD = tower.model.forward_features(PROC.preprocess(img)[None])[0, 1:]  # cls token dropped
             k = int(batch["patch_valid"][i].sum())
-            torch.testing.assert_close(out.features_BLD[i, :k], ref_ND, atol=1e-5, rtol=0)
+            torch.testing.assert_close(out.features_BLD[i, :k], ref_LD, atol=1e-5, rtol=0)
 
 
 def test_naflex_prefix_tokens_are_dropped():

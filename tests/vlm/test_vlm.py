@@ -1,5 +1,8 @@
 """ConceptMoEVLM: image slots, interleaved causality, gradients, per-modality R, HF round trips, training."""
 
+# Shape suffixes (docs/paper.md §0): B batch rows, N tokens per row.
+
+import json
 import random
 
 import pytest
@@ -14,12 +17,12 @@ from vlm import ConceptMoEForCausalLM, ConceptMoEVLM, ConceptMoEVLMConfig, VLMPr
 
 @pytest.fixture()
 def processor(hf_tokenizer):
-    return VLMProcessor(hf_tokenizer, ImageProcessor(patch_size=16, max_patches=64, merge=2))
+    return VLMProcessor(hf_tokenizer, ImageProcessor(patch_size=16, max_patches=64, pixel_shuffle=2))
 
 
 def make_vlm(processor, seed=0, **overrides):
     torch.manual_seed(seed)
-    overrides.setdefault("router_init", "random")
+    overrides.setdefault("boundary_router_init", "random")
     return ConceptMoEVLM.from_preset("tiny", image_token_id=processor.image_token_id, max_patches=64, **overrides)
 
 
@@ -152,7 +155,7 @@ def test_init_from_text_checkpoint_and_freezing(tmp_path, processor):
 
 
 def test_short_training_on_captioned_images_loss_falls_and_reports_both_r(processor):
-    model = make_vlm(processor, seed=0, router_init="identity").train()
+    model = make_vlm(processor, seed=0, boundary_router_init="identity").train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     rng = random.Random(0)
     history = []
@@ -219,8 +222,10 @@ def test_building_a_model_leaves_the_callers_config_alone(tmp_path, processor):
 
 
 def test_preset_overrides_reach_the_backbone_and_vocab_can_grow(processor):
-    model = ConceptMoEVLM.from_preset("tiny", merge="last", vision_merge=1, image_token_id=processor.image_token_id)
-    assert model.config.text_config.merge == "last" and model.config.vision_merge == 1
+    model = ConceptMoEVLM.from_preset(
+        "tiny", concept_merge="last", pixel_shuffle=1, image_token_id=processor.image_token_id
+    )
+    assert model.config.text_config.concept_merge == "last" and model.config.pixel_shuffle == 1
     model.resize_token_embeddings(600)
     assert model.get_input_embeddings().weight.shape[0] == 600 and model.get_output_embeddings().weight.shape[0] == 600
 
@@ -257,3 +262,38 @@ def test_processor_keeps_the_tokenizers_special_tokens_and_takes_flat_images(hf_
     assert padded["input_ids"].shape == (1, 32)
     plain = VLMProcessor(hf_tokenizer)  # no post-processor: no BOS invented
     assert plain(text=["a red square"])["input_ids"][0].tolist() == hf_tokenizer("a red square")["input_ids"]
+
+
+def test_vlm_checkpoint_saved_with_the_old_field_names_loads(tmp_path, processor):
+    model = make_vlm(processor, pixel_shuffle=1, concept_merge="last").eval()
+    model.save_pretrained(tmp_path)
+    fields = json.loads((tmp_path / "config.json").read_text())
+    fields["vision_merge"] = fields.pop("pixel_shuffle")
+    fields["text_config"]["merge"] = fields["text_config"].pop("concept_merge")
+    fields["text_config"]["router_init"] = fields["text_config"].pop("boundary_router_init")
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    loaded = ConceptMoEVLM.from_pretrained(tmp_path).eval()
+    assert loaded.config.pixel_shuffle == 1 and not hasattr(loaded.config, "vision_merge")
+    assert loaded.config.text_config.concept_merge == "last" == loaded.language_model.config.concept_merge
+    batch = VLMProcessor(processor.tokenizer, ImageProcessor(patch_size=16, max_patches=64, pixel_shuffle=1))(
+        text=["<image> a yellow square"], images=[images(1)]
+    )
+    with torch.no_grad():
+        assert torch.equal(model(**batch).logits, loaded(**batch).logits)
+
+
+def test_set_chunking_reaches_the_backbone_and_the_vlm_config(processor):
+    model = make_vlm(processor).eval()
+    model.set_chunking(chunking="fixed", target_r=3.0, modality_boundaries=True)
+    for cfg in (model.config.text_config, model.language_model.config, model.language_model.model.config):
+        assert (cfg.chunking, cfg.target_r) == ("fixed", 3.0)
+    assert model.config.modality_boundaries
+    with pytest.raises(ValueError, match="noise_tau"):
+        model.set_chunking(noise_tau=-1.0)
+
+
+def test_the_backbone_reports_exactly_the_data_modalities():
+    from data_pipelines import Modality
+    from vlm.backbone.outputs import ALWAYS_REPORTED
+
+    assert tuple(int(m) for m in Modality) == ALWAYS_REPORTED == (Modality.TEXT, Modality.IMAGE)

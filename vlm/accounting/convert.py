@@ -3,8 +3,9 @@
 The first ``encoder_layers`` source layers become the encoder, the last ``decoder_layers`` the decoder and the
 rest the concept model; embeddings, norms, attention, routers and experts are copied exactly. What the paper
 adds for CT is new: the chunk module (q / k projections, random init), last-token merging, zero-initialised
-joint-decoding projectors in every decoder layer (Eq. 11), and, optionally, the compute reallocation of SPEC §6
-(``concept_top_k``: strategy 1; ``concept_loop`` over ``concept_loop_layers`` middle layers: strategy 2).
+joint-decoding projectors in every decoder layer (Eq. 11), and, optionally, the compute reallocation of §3.5
+(docs/paper.md §9; ``concept_top_k``: strategy 1; ``concept_loop`` over ``concept_loop_layers`` middle layers:
+strategy 2).
 With ``chunking="none"`` the converted model computes exactly what the source computes.
 
 Supported families: see :data:`FAMILIES`; anything else (dense models included) is refused with the list.
@@ -174,10 +175,10 @@ def conversion_configs(
     recipe = dict(
         chunking=chunking,
         target_r=float(target_r) if chunking != "none" else 1.0,
-        router="cosine",
-        router_init="random",  # CT: W_q, W_k start random (SPEC §1)
-        merge="last",  # CT: last-token merge keeps the structural change small (SPEC §1)
-        joint_layers=decoder_layers,  # zero-initialised W^c in every decoder layer (SPEC §5)
+        boundary_router="cosine",
+        boundary_router_init="random",  # CT: W_q, W_k start random (§4.3; docs/paper.md §2)
+        concept_merge="last",  # CT: last-token merge keeps the structural change small (§4; docs/paper.md §5)
+        joint_layers=decoder_layers,  # zero-initialised W^c in every decoder layer (§4.3; docs/paper.md §8)
         joint_zero_init=True,
         concept_top_k=top_k,
         concept_loop=loop,

@@ -1,6 +1,7 @@
-"""Parameter and FLOP accounting for ConceptMoE, and compute matching of the three strategies (SPEC §6, §13).
+"""Parameter and FLOP accounting for ConceptMoE, and compute matching of the three strategies of the paper's §3.5
+(docs/paper.md §9).
 
-Conventions (SPEC §13 "FLOP accounting"):
+Conventions (the paper fixes only what is matched; the rest is ours, docs/paper.md §12.13):
 
 * FLOPs = 2 x multiply-accumulates, forward pass only, per *token* (per input position N, not per concept).
   Only matrix products count: norms, RoPE, activations, softmax, bias adds, top-k, the EMA / dechunk and
@@ -13,7 +14,7 @@ Conventions (SPEC §13 "FLOP accounting"):
   position i attends to i keys, ~N/2 on average, so one token layer costs 2 * 2 * H * hd * N / 2 =
   2 * H * hd * N per token (the full square would be 4 * H * hd * N). A concept layer sees N/R concepts
   and runs once per R tokens: (1/R) * 2 * H * hd_c * (N/R). With MHA (H * hd = d) the concept layers total
-  2 * L_C * d * N^2 / R^2 over a sequence: SPEC Table 1's L_C * d * N^2 / R^2 up to the constant, hence its
+  2 * L_C * d * N^2 / R^2 over a sequence: the paper's Table 1 L_C * d * N^2 / R^2 up to the constant, hence its
   R^2 (S1), R^2 L_C / (L_C + L_loop) (S2) and R^1.5 (S3 with d_c = sqrt(R) d) reductions.
 * ``kv_cache_per_token``: cached K and V elements per token: 2 * KV * hd per token layer, and
   2 * KV * hd_c / R per concept-layer application (Table 1's 2 * L_C * d * N with MHA). Joint decoding adds
@@ -51,11 +52,7 @@ class _Fields:
     chunked = ConceptMoEConfig.chunked
     effective_r = ConceptMoEConfig.effective_r
     token_head_dim = ConceptMoEConfig.token_head_dim
-    concept_width = ConceptMoEConfig.concept_width
     concept_head_dim = ConceptMoEConfig.concept_head_dim
-    concept_experts = ConceptMoEConfig.concept_experts
-    concept_k = ConceptMoEConfig.concept_k
-    concept_ffn_dim = ConceptMoEConfig.concept_ffn_dim
     dense_ffn_dim = ConceptMoEConfig.dense_ffn_dim
     concept_schedule = ConceptMoEConfig.concept_schedule
 
@@ -70,7 +67,7 @@ class _Fields:
 # ----------------------------------------------------------------------------- one transformer block
 @dataclass(frozen=True)
 class _Block:
-    """One pre-norm block (attention + MoE or dense SwiGLU) at width w, head dim hd (SPEC §0, §6-§7)."""
+    """One pre-norm block (attention + MoE or dense SwiGLU) at width w, head dim hd (Eq. 1's E, C, D blocks)."""
 
     width: int
     head_dim: int
@@ -135,19 +132,19 @@ def count(config: ConceptMoEConfig, seq_len: int = 4096, r: float | None = None)
     r = cfg.effective_r if r is None else float(r)
     d, V = cfg.d_model, cfg.vocab_size
     tok = _Block(d, cfg.token_head_dim, cfg.num_experts, cfg.top_k, cfg.expert_dim)
-    d_c = cfg.concept_width
-    con = _Block(d_c, cfg.concept_head_dim, cfg.concept_experts, cfg.concept_k, cfg.concept_ffn_dim)
+    d_c = cfg.concept_d_model
+    con = _Block(d_c, cfg.concept_head_dim, cfg.concept_num_experts, cfg.concept_top_k, cfg.concept_expert_dim)
     n_tok = cfg.encoder_layers + cfg.decoder_layers
     schedule = cfg.concept_schedule()
     q, kv = cfg.n_heads * cfg.token_head_dim, cfg.n_kv_heads * cfg.token_head_dim
 
-    # Chunk module (SPEC §1; dynamic chunking only): cosine router q, k: d x d each; linear router:
+    # Chunk module (Eq. 2 / docs/paper.md §12.5; dynamic chunking only): cosine router q, k: d x d each; linear router:
     # Linear(2d -> 1) with bias (it runs on N - 1 token pairs, counted as N). Every chunked model
     # (dynamic or fixed) has an RMSNorm(d_c) after the concept model, the d -> d_c -> d projectors when
-    # the concept model is wider (strategy 3, SPEC §6), and joint decoding (SPEC §5, Eq. 11): W_q^c,
+    # the concept model is wider (strategy 3, §3.5), and joint decoding (Eq. 11): W_q^c,
     # W_k^c, W_v^c (d -> H hd, KV hd, KV hd) in the last ``joint_layers`` decoder blocks.
     dynamic = cfg.chunking == "dynamic"
-    chunk = (2 * d * d if cfg.router == "cosine" else 2 * d + 1) if dynamic else 0
+    chunk = (2 * d * d if cfg.boundary_router == "cosine" else 2 * d + 1) if dynamic else 0
     proj = 2 * d * d_c if cfg.chunked and d_c != d else 0
     joint = cfg.joint_layers * d * (q + 2 * kv) if cfg.chunked else 0
     embed, head = V * d, (0 if cfg.tie_word_embeddings else d * V)
@@ -170,7 +167,7 @@ def count(config: ConceptMoEConfig, seq_len: int = 4096, r: float | None = None)
     flops_linear = dict(
         token_layers=n_tok * tok.linear_flops(cfg),
         concept_layers=len(schedule) * con.linear_flops(cfg) / r,
-        chunk=(2 * chunk if cfg.router == "cosine" else 2 * 2 * d) if dynamic else 0,
+        chunk=(2 * chunk if cfg.boundary_router == "cosine" else 2 * 2 * d) if dynamic else 0,
         projectors=2 * proj / r,
         joint=2 * joint,
         lm_head=2 * d * V,
@@ -194,11 +191,11 @@ def count(config: ConceptMoEConfig, seq_len: int = 4096, r: float | None = None)
     )
 
 
-# ----------------------------------------------------------------------------- matching (SPEC §6)
+# ----------------------------------------------------------------------------- matching (§3.5)
 def match_report(baseline, candidate, seq_len: int = 4096, tol: float = TOLERANCE) -> dict:
     """How ``candidate`` compares with ``baseline``: relative mismatch (candidate / baseline - 1) of total
     params and of linear (non-attention) FLOPs per token, and candidate / baseline ratios of the
-    attention-map FLOPs at ``seq_len`` and of the KV cache (SPEC Table 1; < 1 means a saving)."""
+    attention-map FLOPs at ``seq_len`` and of the KV cache (the paper's Table 1; < 1 means a saving)."""
     b, c = count(baseline, seq_len), count(candidate, seq_len)
     params = c["params_total"] / b["params_total"] - 1.0
     flops = c["flops_linear_per_token"] / b["flops_linear_per_token"] - 1.0
@@ -228,8 +225,9 @@ def _structures(base: ConceptMoEConfig, r: float, strategy: int, fixed: dict):
     E, L_C = base.num_experts, base.concept_layers
     if strategy in (1, 2):
         # S1/S2 keep the concept layers' shape; removing a few concept experts absorbs the chunk / joint
-        # params. Both are CT-friendly (§6), so keeping every pretrained expert is preferred. S2: fewest
-        # repetitions, looping about half the concept layers (the paper's 1.5L-top13-R2 latency run) [I].
+        # params. Both are CT-friendly (§3.5), so keeping every pretrained expert is preferred. S2: fewest
+        # repetitions, looping about half the concept layers: our reading of the paper's 1.5L-top13-R2 latency
+        # run (§4.4); the paper does not say which layers loop.
         loops = values("concept_loop", range(2, 5)) if strategy == 2 else [1]
         layers = values("concept_loop_layers", range(1, L_C + 1)) if strategy == 2 else [0]
         for e in values("concept_num_experts", range(E, (E + 1) // 2 - 1, -1)):
@@ -253,7 +251,7 @@ def _structures(base: ConceptMoEConfig, r: float, strategy: int, fixed: dict):
                     knobs = dict(concept_d_model=w, concept_expert_dim=f, concept_num_experts=e)
                     yield knobs, (rank,), 0
     else:
-        raise ValueError(f"strategy={strategy!r} is invalid: allowed values are 1, 2, 3 (SPEC §6)")
+        raise ValueError(f"strategy={strategy!r} is invalid: allowed values are 1, 2, 3 (the paper's §3.5)")
 
 
 def match(
@@ -269,9 +267,9 @@ def match(
     """A chunked ConceptMoE config (``chunking="dynamic"``, ``target_r``) matched to a plain-MoE baseline.
 
     Total params and linear FLOPs per token (``count()``) must both match the baseline within ``tol``
-    (2%); attention-map FLOPs are left out, as in the paper (SPEC §6 footnote 2). Everything not searched
+    (2%); attention-map FLOPs are left out, as in the paper (§3.5, footnote 2). Everything not searched
     comes from ``baseline_config`` and ``overrides``; an override of a searched field pins it.
-    Strategies (SPEC §6), integer search:
+    Strategies (§3.5, docs/paper.md §9), integer search:
 
     1. more active concept experts: ``concept_top_k`` >= ``top_k`` (and ``concept_num_experts`` <= E to
        absorb the chunk / joint params; all E kept when possible);
@@ -360,11 +358,11 @@ def _table_rows(seq_len: int):
 def _shape(cfg: ConceptMoEConfig) -> str:
     if not cfg.chunked:
         return f"E={cfg.num_experts} k={cfg.top_k} F={cfg.expert_dim}"
-    out = f"k_c={cfg.concept_k} E_c={cfg.concept_experts}"
+    out = f"k_c={cfg.concept_top_k} E_c={cfg.concept_num_experts}"
     if cfg.concept_loop > 1:
         out += f" loop={cfg.concept_loop}x{cfg.concept_loop_layers or cfg.concept_layers}"
-    if cfg.concept_width != cfg.d_model or cfg.concept_ffn_dim != cfg.expert_dim:
-        out += f" d_c={cfg.concept_width} F_c={cfg.concept_ffn_dim}"
+    if cfg.concept_d_model != cfg.d_model or cfg.concept_expert_dim != cfg.expert_dim:
+        out += f" d_c={cfg.concept_d_model} F_c={cfg.concept_expert_dim}"
     return out
 
 

@@ -1,4 +1,5 @@
-"""Inference cost model: prefill FLOPs, decode FLOPs / bytes / roofline time, KV-cache bytes (issue 6, SPEC §9).
+"""Inference cost model: prefill FLOPs, decode FLOPs / bytes / roofline time, KV-cache bytes (the paper measures
+latency in §4.4, Fig. 5, but gives no cost model beyond Table 1).
 
 Built on :func:`vlm.accounting.flops.count` (same conventions: FLOPs = 2 x MACs, forward only, only matrix products
 count;
@@ -8,7 +9,8 @@ candidate's measured compression ratio R. It is what a perfect implementation wo
 proportional to the modelled cost: everything outside the model (kernel launches, Python overhead, the gather /
 scatter of boundary rows, softmax and norms, caches) is what makes a measurement fall short of (or beat) it.
 
-Generalisations of SPEC §6 Table 1 (which counts concept layers only, with MHA, d per layer):
+Generalisations of the paper's Table 1 (§3.5, docs/paper.md §9; it counts concept layers only, with MHA, d per
+layer):
 
 * :func:`prefill_cost` - the "attention-map FLOPs" column (L_C d N^2 / R^2 for S1) plus every linear FLOP of
   every layer, over a whole causal prefill of N tokens.
@@ -65,13 +67,13 @@ def _layer_params(config: ConceptMoEConfig, r: float) -> dict:
     moe = config.ffn == "moe"
     n_tok = config.encoder_layers + config.decoder_layers
     tok_expert = 3 * config.d_model * config.expert_dim if moe else 0
-    con_expert = 3 * config.concept_width * config.concept_ffn_dim if moe else 0
+    con_expert = 3 * config.concept_d_model * config.concept_expert_dim if moe else 0
     tok_layer = c["token_layers"] / n_tok if n_tok else 0
     con_layer = c["concept_layers"] / config.concept_layers if config.concept_layers else 0
     return dict(
         tok_other=tok_layer - config.num_experts * tok_expert,
         tok_expert=tok_expert,
-        con_other=con_layer - config.concept_experts * con_expert,
+        con_other=con_layer - config.concept_num_experts * con_expert,
         con_expert=con_expert,
         always=c["final_norm"] + c["chunk"] + c["joint"] + config.d_model * config.vocab_size,  # + LM head
         per_concept_step=c["concept_norm"] + c["projectors"],
@@ -130,7 +132,8 @@ def decode_cost(
     for prob, rows in _concept_row_counts(batch, r, aligned) if config.chunked else [(1.0, batch)]:
         if rows:
             per_layer = (
-                p["con_other"] + distinct_experts(config.concept_experts, config.concept_k, rows) * p["con_expert"]
+                p["con_other"]
+                + distinct_experts(config.concept_num_experts, config.concept_top_k, rows) * p["con_expert"]
             )
             weights += prob * (p["per_concept_step"] + len(schedule) * per_layer)
     # count() caches e_con / r per token for the concept layers; a step reads them for B / r rows of kv_len / r keys
@@ -171,8 +174,9 @@ def kv_cache_bytes(
     """Bytes of K and V cached for ``batch`` rows of ``seq_len`` tokens at compression ratio ``r``.
 
     Generalises Table 1's KV column (2 L_C d N / R for S1, 2 (L_C + L_loop) d N / R for S2): 2 KV hd elements
-    per token per token layer (encoder, decoder: the decoder stays at token length, SPEC §5) and per concept per
-    concept-layer application (each application of a looped layer keeps its own K and V), at ``dtype_bytes``.
+    per token per token layer (encoder, decoder: the decoder stays at token length, docs/paper.md §8) and per
+    concept per concept-layer application (each application of a looped layer keeps its own K and V), at
+    ``dtype_bytes``.
     Returns ``token``, ``concept`` and ``total`` (the split of ``cache.kv_bytes()``).
     """
     c = count(config, seq_len, r)
@@ -203,11 +207,11 @@ def measure_device(device: str | torch.device = "cpu", dtype: torch.dtype = torc
     device = torch.device(device)
     big = device.type != "cpu"
     n = 8192 if big else 1024
-    a_NN = torch.randn(n, n, device=device, dtype=dtype)
-    b_NN = torch.randn(n, n, device=device, dtype=dtype)
-    numel = (2 << 30 if big else 64 << 20) // a_NN.element_size()
-    src_X, dst_X = torch.empty(numel, device=device, dtype=dtype), torch.empty(numel, device=device, dtype=dtype)
-    src_X.fill_(1.0)
+    mat_a = torch.randn(n, n, device=device, dtype=dtype)
+    mat_b = torch.randn(n, n, device=device, dtype=dtype)
+    numel = (2 << 30 if big else 64 << 20) // mat_a.element_size()
+    src, dst = torch.empty(numel, device=device, dtype=dtype), torch.empty(numel, device=device, dtype=dtype)
+    src.fill_(1.0)
 
     def best(fn) -> float:
         fn()
@@ -220,6 +224,6 @@ def measure_device(device: str | torch.device = "cpu", dtype: torch.dtype = torc
             times.append(time.perf_counter() - start)
         return min(times)
 
-    t_mm = best(lambda: torch.mm(a_NN, b_NN))
-    t_copy = best(lambda: dst_X.copy_(src_X))
-    return dict(peak_flops=2 * n**3 / t_mm, bandwidth=2 * numel * src_X.element_size() / t_copy)
+    t_mm = best(lambda: torch.mm(mat_a, mat_b))
+    t_copy = best(lambda: dst.copy_(src))
+    return dict(peak_flops=2 * n**3 / t_mm, bandwidth=2 * numel * src.element_size() / t_copy)

@@ -1,10 +1,13 @@
-"""The chunk module (SPEC §1-§3): boundary probabilities, boundary noise, ratio loss, merging into concepts.
+"""The chunk module (ConceptMoE §3.2, Eq. 2-6; docs/paper.md §2-§5): boundary probabilities, boundary noise,
+ratio loss, merging into concepts.
 
 Causality: p_n depends on ĥ_{n-1} and ĥ_n only; concept m merges the window (φ(m-1), φ(m)] that ends
 at its boundary token, so it depends on tokens <= φ(m). The first real token of every document is a
 forced boundary (p = 1), as is every position the caller forces (``SeqLayout.forced_BN``), and a sum
-window never crosses a document start.
+window never crosses a document start (project conventions, docs/paper.md §12.1-§12.2).
 """
+
+# Shape suffixes (docs/paper.md §0): B batch rows, N tokens per row, M concepts per row, D model width.
 
 from __future__ import annotations
 
@@ -63,24 +66,30 @@ def ratio_loss(p_BN: torch.Tensor, b_BN: torch.Tensor, valid_BN: torch.Tensor, t
     return r / (r - 1.0) * ((r - 1.0) * f * g + (1.0 - f) * (1.0 - g))
 
 
+def fixed_boundary_at(pos: torch.Tensor, target_r: float) -> torch.Tensor:
+    """Fixed chunking (Fig. 8 ablation): position ``pos`` of a document closes a concept when floor(pos / R) changes
+    there (every R tokens, also for fractional R). The one definition, for the full forward and decoding."""
+    pos = pos.double()
+    return torch.floor(pos / target_r) != torch.floor((pos - 1.0) / target_r)
+
+
 def fixed_boundaries(layout: SeqLayout, target_r: float) -> torch.Tensor:
-    """Fixed chunking (Fig. 8 ablation): a boundary whenever floor(pos / R) changes inside a document."""
-    pos = layout.pos_BN.double()
-    b_BN = torch.floor(pos / target_r) != torch.floor((pos - 1.0) / target_r)
-    return (b_BN | layout.forced_BN) & layout.valid_BN
+    """Fixed boundaries of whole rows: :func:`fixed_boundary_at` plus forced boundaries, on real tokens only."""
+    return (fixed_boundary_at(layout.pos_BN, target_r) | layout.forced_BN) & layout.valid_BN
 
 
 class ChunkModule(nn.Module):
     """Boundary router: ``cosine`` (Eq. 2, learned q/k projections) or ``linear`` (Fig. 9 ablation).
 
-    The linear router [I] scores p_n = σ(w·[ĥ_{n−1}; ĥ_n] + b): a learned function of the same two
-    states the cosine router compares, without the cosine's scale invariance.
+    The paper does not give the linear router's form; ours (docs/paper.md §12.5) scores
+    p_n = σ(w·[ĥ_{n−1}; ĥ_n] + β): a learned function of the same two states the cosine router compares,
+    without the cosine's scale invariance.
     """
 
-    def __init__(self, d_model: int, router: str):
+    def __init__(self, d_model: int, kind: str):
         super().__init__()
-        self.router_kind = router
-        if router == "cosine":
+        self.kind = kind
+        if kind == "cosine":
             self.q_proj = nn.Linear(d_model, d_model, bias=False)
             self.k_proj = nn.Linear(d_model, d_model, bias=False)
             self.q_proj.init_role = self.k_proj.init_role = "boundary_qk"
@@ -88,18 +97,18 @@ class ChunkModule(nn.Module):
             self.proj = nn.Linear(2 * d_model, 1)
 
     def boundary_probs(self, h_BND: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
-        if self.router_kind == "cosine":
+        if self.kind == "cosine":
             p_rest = cosine_boundary_probs(self.q_proj(h_BND), self.k_proj(h_BND))
         else:
-            pair_BND2 = torch.cat([h_BND[:, :-1], h_BND[:, 1:]], dim=-1)
-            p_rest = torch.sigmoid(self.proj(pair_BND2).squeeze(-1).float())
+            pair = torch.cat([h_BND[:, :-1], h_BND[:, 1:]], dim=-1)  # [B, N-1, 2D]: (ĥ_{n-1}; ĥ_n)
+            p_rest = torch.sigmoid(self.proj(pair).squeeze(-1).float())
         p_BN = F.pad(p_rest, (1, 0), value=1.0)
         p_BN = torch.where(layout.forced_BN, torch.ones_like(p_BN), p_BN)
         return p_BN * layout.valid_BN
 
     def step_probs(self, prev_h_BD: torch.Tensor, h_BD: torch.Tensor) -> torch.Tensor:
         """p of one new token per row from its state and the previous token's (decoding; Eq. 2 as above)."""
-        if self.router_kind == "cosine":
+        if self.kind == "cosine":
             q_BD, k_BD = self.q_proj(h_BD), self.k_proj(prev_h_BD)
             # the pair as a 2-token sequence: Eq. 2 compares q of token 1 with k of token 0
             return cosine_boundary_probs(torch.stack([q_BD, q_BD], 1), torch.stack([k_BD, k_BD], 1))[:, 0]
@@ -115,7 +124,7 @@ class ChunkModule(nn.Module):
         return ChunkOutput(p_BN=p_BN, b_BN=b_BN, b_hard_BN=b_hard_BN)
 
 
-# ----------------------------------------------------------------------------- merging (SPEC §1)
+# ----------------------------------------------------------------------------- merging (§3.2-3.3, Fig. 1)
 def boundary_positions(b_BN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Token index of every boundary, left-aligned and padded: (boundary_BM, valid_BM)."""
     n_concepts_B = b_BN.sum(dim=1)
@@ -136,7 +145,7 @@ def merge_tokens(
 ) -> torch.Tensor:
     """Concepts from token states: ``last`` keeps ĥ_{φ(m)}; ``sum`` adds ĥ over (φ(m−1), φ(m)].
 
-    Sum windows are clipped at document starts (SPEC §13) and exclude padding; a token after the
+    Sum windows are clipped at document starts and exclude padding (docs/paper.md §12.2-§12.3); a token after the
     last boundary of a row belongs to no concept yet. Summation is a scatter-add (exact per window,
     unlike differences of a running cumsum).
     """

@@ -1,21 +1,155 @@
 """ConceptMoE configuration: one dataclass-like HF config, validated, with named presets.
 
-Field names follow the project's public API (issue 2). Everything the paper varies is a field:
-encoder / concept / decoder depth, experts, the chunking mechanism (SPEC §1-§5) and the compute
-reallocation of SPEC §6 (``concept_top_k`` for strategy 1, ``concept_loop`` for strategy 2,
+Everything the paper varies is a field: encoder / concept / decoder depth, experts, the chunking mechanism
+(ConceptMoE §3.2-3.4, docs/paper.md §2-§8) and the compute reallocation of §3.5 (docs/paper.md §9:
+``concept_top_k`` for strategy 1, ``concept_loop`` for strategy 2,
 ``concept_d_model`` / ``concept_num_experts`` for strategy 3).
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 from transformers import PretrainedConfig
 
+logger = logging.getLogger(__name__)
+
 CHUNKING_MODES = ("dynamic", "fixed", "none")
-ROUTERS = ("cosine", "linear")
-MERGES = ("sum", "last")
+BOUNDARY_ROUTERS = ("cosine", "linear")
+BOUNDARY_ROUTER_INITS = ("identity", "random")
+CONCEPT_MERGES = ("sum", "last")
 FFN_KINDS = ("moe", "dense")
 QK_NORMS = ("none", "head", "full")
-ROUTER_INITS = ("identity", "random")
+
+# Fields renamed since the first release: configs saved under the old name still load (mapped, with a warning).
+RENAMED_FIELDS = {
+    "router": "boundary_router",
+    "router_init": "boundary_router_init",
+    "merge": "concept_merge",
+    "router_z_loss_weight": "moe_z_loss_weight",
+}
+# The chunking settings a built model may change in place (``set_chunking``): none of them changes a weight shape.
+CHUNKING_SETTINGS = (
+    "chunking", "target_r", "noise_tau", "ratio_loss_weight", "target_r_by_modality", "ratio_loss_modality_weights",
+    "balance_loss_weight", "moe_z_loss_weight",
+)  # fmt: skip
+
+
+def rename_legacy_fields(fields: dict, owner: str, renamed: dict[str, str] = RENAMED_FIELDS) -> dict:
+    """``fields`` with every old field name replaced by its new one (a warning each); both names at once is an error."""
+    out = dict(fields)
+    for old, new in renamed.items():
+        if old not in out:
+            continue
+        if new in out:
+            raise ValueError(f"{owner}: '{old}' was renamed to '{new}'; pass only '{new}'")
+        logger.warning("%s: field '%s' was renamed to '%s'; reading it as '%s'", owner, old, new, new)
+        out[new] = out.pop(old)
+    return out
+
+
+# ----------------------------------------------------------------------------- validation as a table of rules
+def _int_at_least(low: int):
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+
+def _one_of(allowed: tuple):
+    return lambda v: v in allowed
+
+
+@dataclass(frozen=True)
+class Rule:
+    """``check(config)`` must hold, else ``field`` is invalid: ``message`` (formatted with ``c`` = the config)."""
+
+    field: str
+    check: Callable[[Any], bool]
+    message: str
+
+
+def field_rule(field: str, check: Callable[[Any], bool], message: str) -> Rule:
+    """A rule on one field's value alone."""
+    return Rule(field, lambda c: check(getattr(c, field)), message)
+
+
+def check_rules(config, rules: tuple[Rule, ...]) -> None:
+    """Raise ``ValueError`` naming the first field whose rule fails, its value and what is allowed."""
+    for rule in rules:
+        if not rule.check(config):
+            value = getattr(config, rule.field)
+            raise ValueError(
+                f"{type(config).__name__}.{rule.field}={value!r} is invalid: {rule.message.format(c=config)}"
+            )
+
+
+def _modality_targets_ok(c) -> bool:
+    targets = c.target_r_by_modality
+    return targets is None or (c.chunking == "dynamic" and all(r > 1.0 for r in targets.values()))
+
+
+def _modality_weights_ok(c) -> bool:
+    weights = c.ratio_loss_modality_weights
+    if weights is None:
+        return True
+    targets = c.target_r_by_modality
+    return targets is not None and set(weights) <= set(targets) and all(w >= 0 for w in weights.values())
+
+
+RULES: tuple[Rule, ...] = (
+    *(field_rule(f, _int_at_least(1), "must be an integer >= 1")
+      for f in ("vocab_size", "d_model", "n_heads", "n_kv_heads", "num_experts", "expert_dim")),
+    *(field_rule(f, _int_at_least(0), "must be an integer >= 0")
+      for f in ("encoder_layers", "concept_layers", "decoder_layers", "shared_experts")),
+    Rule("shared_expert_dim", lambda c: c.shared_expert_dim is None
+         or (_int_at_least(1)(c.shared_expert_dim) and c.shared_experts >= 1),
+         "must be None or an int >= 1, with shared_experts >= 1 (it sets the shared SwiGLU's width)"),
+    Rule("shared_expert_gate", lambda c: not c.shared_expert_gate or c.shared_experts >= 1,
+         "needs shared_experts >= 1 (it gates the shared expert's output)"),
+    field_rule("chunking", _one_of(CHUNKING_MODES), f"allowed values are {CHUNKING_MODES}"),
+    field_rule("boundary_router", _one_of(BOUNDARY_ROUTERS), f"allowed values are {BOUNDARY_ROUTERS}"),
+    field_rule("boundary_router_init", _one_of(BOUNDARY_ROUTER_INITS), f"allowed values are {BOUNDARY_ROUTER_INITS}"),
+    field_rule("concept_merge", _one_of(CONCEPT_MERGES), f"allowed values are {CONCEPT_MERGES}"),
+    field_rule("ffn", _one_of(FFN_KINDS), f"allowed values are {FFN_KINDS}"),
+    field_rule("qk_norm", _one_of(QK_NORMS), f"allowed values are {QK_NORMS}"),
+    Rule("n_kv_heads", lambda c: c.n_heads % c.n_kv_heads == 0, "must divide n_heads={c.n_heads}"),
+    Rule("d_model", lambda c: c.head_dim is not None or c.d_model % c.n_heads == 0,
+         "must be divisible by n_heads={c.n_heads} (or set head_dim)"),
+    Rule("top_k", lambda c: 1 <= c.top_k <= c.num_experts, "must be in [1, num_experts={c.num_experts}]"),
+    *(field_rule(f, _int_at_least(1), "must be an int >= 1 (None: the token-level value)")
+      for f in ("concept_d_model", "concept_num_experts", "concept_top_k", "concept_expert_dim")),
+    Rule("concept_top_k", lambda c: c.concept_top_k <= c.concept_num_experts,
+         "must be in [1, concept_num_experts={c.concept_num_experts}]"),
+    Rule("concept_d_model", lambda c: c.concept_d_model == c.d_model or c.concept_d_model % c.n_heads == 0,
+         "must be divisible by n_heads={c.n_heads}"),
+    field_rule("concept_loop", _int_at_least(1), "must be an int >= 1"),
+    Rule("concept_loop_layers", lambda c: _int_at_least(0)(c.concept_loop_layers)
+         and c.concept_loop_layers <= c.concept_layers,
+         "must be in [0, concept_layers={c.concept_layers}] (0 = loop all concept layers)"),
+    field_rule("target_r", lambda r: r >= 1.0, "must be >= 1 (R = N / M)"),
+    Rule("target_r", lambda c: c.chunking != "dynamic" or c.target_r > 1.0,
+         "must be > 1 with chunking='dynamic' (the ratio loss Eq. 4 divides by R - 1); use chunking='none' for R=1"),
+    Rule("head_dim", lambda c: c.token_head_dim % 2 == 0, "must be even (RoPE rotates pairs of channels)"),
+    Rule("concept_d_model", lambda c: c.concept_head_dim % 2 == 0, "must give an even per-head width (RoPE)"),
+    Rule("concept_d_model", lambda c: c.chunked or c.concept_d_model == c.d_model,
+         "must equal d_model with chunking='none' (the d <-> d_c projectors belong to chunk / dechunk)"),
+    field_rule("noise_tau", lambda t: t >= 0.0, "must be >= 0 (0 disables boundary noise; the paper uses 6)"),
+    field_rule("ratio_loss_weight", lambda w: w >= 0.0, "must be >= 0"),
+    Rule("target_r_by_modality", _modality_targets_ok,
+         "must be None or {{modality id: R > 1}} with chunking='dynamic'"),
+    Rule("ratio_loss_modality_weights", _modality_weights_ok,
+         "must be None or {{modality id: weight >= 0}} for modalities listed in target_r_by_modality"),
+    field_rule("balance_loss_weight", lambda w: w >= 0.0, "must be >= 0"),
+    field_rule("moe_z_loss_weight", lambda w: w >= 0.0, "must be >= 0"),
+    Rule("joint_layers", lambda c: _int_at_least(0)(c.joint_layers) and c.joint_layers <= c.decoder_layers,
+         "must be in [0, decoder_layers={c.decoder_layers}]"),
+)  # fmt: skip
+
+
+def _str_keyed(mapping: dict | None) -> dict | None:
+    """JSON object keys are strings: keep modality ids so (read them back with int())."""
+    return None if mapping is None else {str(k): float(v) for k, v in mapping.items()}
 
 
 class ConceptMoEConfig(PretrainedConfig):
@@ -24,9 +158,11 @@ class ConceptMoEConfig(PretrainedConfig):
     Chunking: ``chunking="none"`` is the plain MoE baseline (R = 1, no chunk/dechunk modules exist);
     ``"dynamic"`` learns boundaries (Eq. 2) held at ``target_r`` by the ratio loss (Eq. 3-4);
     ``"fixed"`` puts a boundary every ``target_r`` tokens (the paper's Fig. 8 ablation).
+    ``boundary_router`` picks how boundaries are scored (``cosine``, Eq. 2, or ``linear``, Fig. 9) and
+    ``boundary_router_init`` how its projections start; ``concept_merge`` how a chunk's tokens become one concept.
 
-    Concept-model overrides (``concept_*``) default to the token-level values; they are how the
-    saved compute is reallocated (SPEC §6):
+    The concept model's fields (``concept_*``) default to the token-level values and are stored resolved (always
+    ints after construction); they are how the saved compute is reallocated (the paper's §3.5):
       1. ``concept_top_k`` > ``top_k``: more active experts per concept;
       2. ``concept_loop`` > 1: the middle ``concept_loop_layers`` concept layers run ``concept_loop``
          times with shared weights;
@@ -60,7 +196,7 @@ class ConceptMoEConfig(PretrainedConfig):
         dense_dim: int | None = None,
         norm_topk_prob: bool = True,
         balance_loss_weight: float = 0.01,
-        router_z_loss_weight: float = 0.0,
+        moe_z_loss_weight: float = 0.0,
         concept_d_model: int | None = None,
         concept_num_experts: int | None = None,
         concept_top_k: int | None = None,
@@ -69,9 +205,9 @@ class ConceptMoEConfig(PretrainedConfig):
         concept_loop_layers: int = 0,
         target_r: float = 2.0,
         chunking: str = "dynamic",
-        router: str = "cosine",
-        router_init: str = "identity",
-        merge: str = "sum",
+        boundary_router: str = "cosine",
+        boundary_router_init: str = "identity",
+        concept_merge: str = "sum",
         noise_tau: float = 6.0,
         ratio_loss_weight: float = 0.03,
         target_r_by_modality: dict | None = None,
@@ -90,6 +226,12 @@ class ConceptMoEConfig(PretrainedConfig):
     ):
         if num_experts_per_tok is not None:  # the stored name of top_k (see attribute_map)
             top_k = num_experts_per_tok
+        # a config saved before the renames: its old field names arrive in kwargs
+        legacy = rename_legacy_fields({k: kwargs.pop(k) for k in RENAMED_FIELDS if k in kwargs}, "ConceptMoEConfig")
+        boundary_router = legacy.get("boundary_router", boundary_router)
+        boundary_router_init = legacy.get("boundary_router_init", boundary_router_init)
+        concept_merge = legacy.get("concept_merge", concept_merge)
+        moe_z_loss_weight = legacy.get("moe_z_loss_weight", moe_z_loss_weight)
         self.vocab_size = vocab_size
         self.d_model = d_model
         self.n_heads = n_heads
@@ -108,29 +250,22 @@ class ConceptMoEConfig(PretrainedConfig):
         self.dense_dim = dense_dim
         self.norm_topk_prob = norm_topk_prob
         self.balance_loss_weight = balance_loss_weight
-        self.router_z_loss_weight = router_z_loss_weight
-        self.concept_d_model = concept_d_model
-        self.concept_num_experts = concept_num_experts
-        self.concept_top_k = concept_top_k
-        self.concept_expert_dim = concept_expert_dim
+        self.moe_z_loss_weight = moe_z_loss_weight
+        self.concept_d_model = d_model if concept_d_model is None else concept_d_model
+        self.concept_num_experts = num_experts if concept_num_experts is None else concept_num_experts
+        self.concept_top_k = top_k if concept_top_k is None else concept_top_k
+        self.concept_expert_dim = expert_dim if concept_expert_dim is None else concept_expert_dim
         self.concept_loop = concept_loop
         self.concept_loop_layers = concept_loop_layers
         self.target_r = float(target_r)
         self.chunking = chunking
-        self.router = router
-        self.router_init = router_init
-        self.merge = merge
+        self.boundary_router = boundary_router
+        self.boundary_router_init = boundary_router_init
+        self.concept_merge = concept_merge
         self.noise_tau = float(noise_tau)
         self.ratio_loss_weight = ratio_loss_weight
-        # JSON object keys are strings: keep them so, and read them with int() (modality ids)
-        self.target_r_by_modality = (
-            None if target_r_by_modality is None else {str(k): float(v) for k, v in target_r_by_modality.items()}
-        )
-        self.ratio_loss_modality_weights = (
-            None
-            if ratio_loss_modality_weights is None
-            else {str(k): float(v) for k, v in ratio_loss_modality_weights.items()}
-        )
+        self.target_r_by_modality = _str_keyed(target_r_by_modality)
+        self.ratio_loss_modality_weights = _str_keyed(ratio_loss_modality_weights)
         self.joint_layers = decoder_layers if joint_layers is None else joint_layers
         self.joint_zero_init = joint_zero_init
         self.attention_bias = attention_bias
@@ -152,6 +287,7 @@ class ConceptMoEConfig(PretrainedConfig):
 
     @property
     def effective_r(self) -> float:
+        """The compression the model is held at: ``target_r``, or 1 without chunking."""
         return self.target_r if self.chunked else 1.0
 
     @property
@@ -171,26 +307,10 @@ class ConceptMoEConfig(PretrainedConfig):
         return self.head_dim or self.d_model // self.n_heads
 
     @property
-    def concept_width(self) -> int:
-        return self.concept_d_model or self.d_model
-
-    @property
     def concept_head_dim(self) -> int:
-        if self.concept_width == self.d_model:
+        if self.concept_d_model == self.d_model:
             return self.token_head_dim
-        return self.concept_width // self.n_heads
-
-    @property
-    def concept_experts(self) -> int:
-        return self.concept_num_experts or self.num_experts
-
-    @property
-    def concept_k(self) -> int:
-        return self.concept_top_k or self.top_k
-
-    @property
-    def concept_ffn_dim(self) -> int:
-        return self.concept_expert_dim or self.expert_dim
+        return self.concept_d_model // self.n_heads
 
     @property
     def dense_ffn_dim(self) -> int:
@@ -213,115 +333,19 @@ class ConceptMoEConfig(PretrainedConfig):
         """``top_k`` here is the MoE's experts per token (an alias, see attribute_map), not a sampling setting."""
         return {k: v for k, v in super()._get_generation_parameters().items() if k != "top_k"}
 
-    # ----------------------------------------------------------------- validation
     def validate_fields(self) -> None:
-        """Raise ``ValueError`` naming the first invalid field and its allowed values."""
-
-        def need(ok: bool, field: str, allowed: str) -> None:
-            if not ok:
-                raise ValueError(f"ConceptMoEConfig.{field}={getattr(self, field)!r} is invalid: {allowed}")
-
-        def positive_int(field: str) -> None:
-            value = getattr(self, field)
-            need(isinstance(value, int) and value >= 1, field, "must be an integer >= 1")
-
-        def non_negative_int(field: str) -> None:
-            value = getattr(self, field)
-            need(isinstance(value, int) and value >= 0, field, "must be an integer >= 0")
-
-        for field in ("vocab_size", "d_model", "n_heads", "n_kv_heads", "num_experts", "expert_dim"):
-            positive_int(field)
-        for field in ("encoder_layers", "concept_layers", "decoder_layers", "shared_experts"):
-            non_negative_int(field)
-        need(
-            self.shared_expert_dim is None
-            or (isinstance(self.shared_expert_dim, int) and self.shared_expert_dim >= 1 and self.shared_experts >= 1),
-            "shared_expert_dim",
-            "must be None or an int >= 1, with shared_experts >= 1 (it sets the shared SwiGLU's width)",
-        )
-        need(
-            not self.shared_expert_gate or self.shared_experts >= 1,
-            "shared_expert_gate",
-            "needs shared_experts >= 1 (it gates the shared expert's output)",
-        )
-        need(self.chunking in CHUNKING_MODES, "chunking", f"allowed values are {CHUNKING_MODES}")
-        need(self.router in ROUTERS, "router", f"allowed values are {ROUTERS}")
-        need(self.router_init in ROUTER_INITS, "router_init", f"allowed values are {ROUTER_INITS}")
-        need(self.merge in MERGES, "merge", f"allowed values are {MERGES}")
-        need(self.ffn in FFN_KINDS, "ffn", f"allowed values are {FFN_KINDS}")
-        need(self.qk_norm in QK_NORMS, "qk_norm", f"allowed values are {QK_NORMS}")
-        need(self.n_heads % self.n_kv_heads == 0, "n_kv_heads", f"must divide n_heads={self.n_heads}")
-        need(
-            self.head_dim is not None or self.d_model % self.n_heads == 0,
-            "d_model",
-            f"must be divisible by n_heads={self.n_heads} (or set head_dim)",
-        )
-        need(1 <= self.top_k <= self.num_experts, "top_k", f"must be in [1, num_experts={self.num_experts}]")
-        for field in ("concept_d_model", "concept_num_experts", "concept_top_k", "concept_expert_dim"):
-            value = getattr(self, field)
-            need(value is None or (isinstance(value, int) and value >= 1), field, "must be None or an int >= 1")
-        need(
-            1 <= self.concept_k <= self.concept_experts,
-            "concept_top_k",
-            f"must be in [1, concept experts={self.concept_experts}]",
-        )
-        need(
-            self.concept_width == self.d_model or self.concept_width % self.n_heads == 0,
-            "concept_d_model",
-            f"must be divisible by n_heads={self.n_heads}",
-        )
-        need(isinstance(self.concept_loop, int) and self.concept_loop >= 1, "concept_loop", "must be an int >= 1")
-        need(
-            isinstance(self.concept_loop_layers, int) and 0 <= self.concept_loop_layers <= self.concept_layers,
-            "concept_loop_layers",
-            f"must be in [0, concept_layers={self.concept_layers}] (0 = loop all concept layers)",
-        )
-        need(self.target_r >= 1.0, "target_r", "must be >= 1 (R = N / M)")
-        need(
-            self.chunking != "dynamic" or self.target_r > 1.0,
-            "target_r",
-            "must be > 1 with chunking='dynamic' (the ratio loss Eq. 4 divides by R - 1); use chunking='none' for R=1",
-        )
-        need(self.token_head_dim % 2 == 0, "head_dim", "must be even (RoPE rotates pairs of channels)")
-        need(self.concept_head_dim % 2 == 0, "concept_d_model", "must give an even per-head width (RoPE)")
-        need(
-            self.chunked or self.concept_width == self.d_model,
-            "concept_d_model",
-            "must equal d_model with chunking='none' (the d <-> d_c projectors belong to chunk / dechunk)",
-        )
-        need(self.noise_tau >= 0.0, "noise_tau", "must be >= 0 (0 disables boundary noise; the paper uses 6)")
-        need(self.ratio_loss_weight >= 0.0, "ratio_loss_weight", "must be >= 0")
-        need(
-            self.target_r_by_modality is None
-            or (self.chunking == "dynamic" and all(r > 1.0 for r in self.target_r_by_modality.values())),
-            "target_r_by_modality",
-            "must be None or {modality id: R > 1} with chunking='dynamic'",
-        )
-        need(
-            self.ratio_loss_modality_weights is None
-            or (
-                self.target_r_by_modality is not None
-                and set(self.ratio_loss_modality_weights) <= set(self.target_r_by_modality)
-                and all(w >= 0 for w in self.ratio_loss_modality_weights.values())
-            ),
-            "ratio_loss_modality_weights",
-            "must be None or {modality id: weight >= 0} for modalities listed in target_r_by_modality",
-        )
-        need(self.balance_loss_weight >= 0.0, "balance_loss_weight", "must be >= 0")
-        need(self.router_z_loss_weight >= 0.0, "router_z_loss_weight", "must be >= 0")
-        need(
-            isinstance(self.joint_layers, int) and 0 <= self.joint_layers <= self.decoder_layers,
-            "joint_layers",
-            f"must be in [0, decoder_layers={self.decoder_layers}]",
-        )
+        """Raise ``ValueError`` naming the first invalid field and its allowed values (the rules in ``RULES``)."""
+        check_rules(self, RULES)
 
     # ----------------------------------------------------------------- presets
     @classmethod
     def from_preset(cls, name: str, **overrides) -> ConceptMoEConfig:
         """Build a named configuration (``tiny``, ``small`` and their baselines ``tiny-moe``, ``small-moe``).
 
-        ``overrides`` replace preset fields, e.g. ``from_preset("tiny", target_r=1.5, merge="last")``.
+        ``overrides`` replace preset fields, e.g. ``from_preset("tiny", target_r=1.5, concept_merge="last")``; an old
+        field name (``RENAMED_FIELDS``) is read as its new one.
         """
+        overrides = rename_legacy_fields(overrides, "ConceptMoEConfig")
         from vlm.backbone.presets import PRESETS
 
         if name not in PRESETS:

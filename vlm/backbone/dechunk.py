@@ -1,4 +1,8 @@
-"""Dechunk (SPEC §4): EMA over concepts (Eq. 7-8), plug-back to tokens with the STE confidence (Eq. 9-10)."""
+"""Dechunk: EMA over concepts (ConceptMoE Eq. 7-8), plug-back to tokens with the STE confidence (Eq. 9-10);
+docs/paper.md §6-§7."""
+
+# Shape suffixes (docs/paper.md §0): B batch rows, N tokens per row, M concepts per row, D model width;
+# the blocked EMA scan splits M into J blocks of m concepts each.
 
 from __future__ import annotations
 
@@ -37,15 +41,15 @@ def ema_over_concepts(c_BMD: torch.Tensor, p_BM: torch.Tensor, block: int = 64) 
     ``block`` concepts: inside a block the lower-triangular decay matrix comes from differences of a
     float64 cumulative log(1 − p) (only non-positive exponents), and one short pass over blocks carries
     the state. p = 1 (every document start) is an exact reset: products across it are zero, never
-    exp(-inf) arithmetic, so packed documents cannot leak into each other.
+    exp(-inf) arithmetic, so packed documents cannot leak into each other (docs/paper.md §12.9).
     """
     b, m, d = c_BMD.shape
     nb = -(-m // block)
     pad = nb * block - m
-    p = torch.nn.functional.pad(p_BM.float(), (0, pad), value=1.0).view(b, nb, block)
-    x_BnTD = p[..., None] * torch.nn.functional.pad(c_BMD.float(), (0, 0, 0, pad)).view(b, nb, block, d)
+    p_BJm = torch.nn.functional.pad(p_BM.float(), (0, pad), value=1.0).view(b, nb, block)
+    x_BJmD = p_BJm[..., None] * torch.nn.functional.pad(c_BMD.float(), (0, 0, 0, pad)).view(b, nb, block, d)
 
-    decay = 1.0 - p
+    decay = 1.0 - p_BJm
     reset = decay <= 0
     log_decay = torch.where(reset, torch.zeros_like(decay), torch.log(decay.clamp_min(1e-30))).double()
     cum = torch.cumsum(log_decay, dim=-1)  # log Π_{k<=i} (1 − p_k) within the block
@@ -53,15 +57,15 @@ def ema_over_concepts(c_BMD: torch.Tensor, p_BM: torch.Tensor, block: int = 64) 
     tri = torch.ones(block, block, dtype=torch.bool, device=c_BMD.device).tril()
     same_seg = seg[..., :, None] == seg[..., None, :]
     exponent = torch.where(tri & same_seg, cum[..., :, None] - cum[..., None, :], float("-inf"))
-    intra_BnTD = torch.exp(exponent).float() @ x_BnTD
-    carry_BnT = torch.where(seg == 0, torch.exp(cum), torch.zeros_like(cum)).float()
+    intra_BJmD = torch.exp(exponent).float() @ x_BJmD
+    carry_BJm = torch.where(seg == 0, torch.exp(cum), torch.zeros_like(cum)).float()
 
     state_BD = torch.zeros(b, d, dtype=torch.float32, device=c_BMD.device)
     outs = []
     for i in range(nb):
-        out_BTD = intra_BnTD[:, i] + carry_BnT[:, i, :, None] * state_BD[:, None, :]
-        state_BD = out_BTD[:, -1]
-        outs.append(out_BTD)
+        out_BmD = intra_BJmD[:, i] + carry_BJm[:, i, :, None] * state_BD[:, None, :]
+        state_BD = out_BmD[:, -1]
+        outs.append(out_BmD)
     return torch.cat(outs, dim=1)[:, :m].to(c_BMD.dtype)
 
 

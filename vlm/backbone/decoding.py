@@ -1,4 +1,5 @@
-"""Incremental decoding (SPEC §13): prefill state, then one token at a time with the caches of ``vlm.backbone.cache``.
+"""Incremental decoding (docs/paper.md §12.8; the paper describes no decode algorithm): prefill state, then one token
+at a time with the caches of ``vlm.backbone.cache``.
 
 One step, per row of the batch:
 
@@ -12,12 +13,16 @@ Decoding always uses the deterministic boundaries of eval (no noise), so it repr
 forward over the same tokens.
 """
 
+# Shape suffixes (docs/paper.md §0): B batch rows, N token columns so far (or keys of a cache), n new tokens per row,
+# M concepts per row, D model width, b the rows that close a concept this step, 1 a singleton axis.
+
 from __future__ import annotations
 
 import torch
 from transformers import GenerationMixin
 
 from vlm.backbone.cache import ConceptMoECache
+from vlm.backbone.chunking import fixed_boundary_at
 from vlm.backbone.layers import SeqLayout
 
 
@@ -53,7 +58,7 @@ def fill_prefill_state(
     states after the row's last boundary (what the next concept will add, ``sum`` merge), the EMA at the
     row's last concept, and the number of concepts (the concept-cache length of the row).
     """
-    cache.valid_BT = layout.valid_BN.clone()
+    cache.valid_BN = layout.valid_BN.clone()
     cache.pos_B = layout.pos_BN[:, -1] + 1
     if b_BN is None:
         return
@@ -69,16 +74,16 @@ def fill_prefill_state(
     cache.n_concepts_B = n_concepts_B
 
 
-def _step_layout(pos_R: torch.Tensor, key_valid_RT: torch.Tensor) -> SeqLayout:
-    """One new query per row at RoPE position ``pos_R``, attending to the cached keys marked valid."""
-    r = pos_R.shape[0]
-    real_R1 = torch.ones(r, 1, dtype=torch.bool, device=pos_R.device)
-    mask = None if bool(key_valid_RT.all()) else key_valid_RT[:, None, None, :]
+def _step_layout(pos_B: torch.Tensor, key_valid_BN: torch.Tensor) -> SeqLayout:
+    """One new query per given row at RoPE position ``pos_B``, attending to the cached keys marked valid."""
+    rows = pos_B.shape[0]
+    real_B1 = torch.ones(rows, 1, dtype=torch.bool, device=pos_B.device)
+    mask = None if bool(key_valid_BN.all()) else key_valid_BN[:, None, None, :]
     return SeqLayout(
-        doc_BN=torch.zeros(r, 1, dtype=torch.long, device=pos_R.device),
-        pos_BN=pos_R[:, None],
-        valid_BN=real_R1,
-        start_BN=~real_R1,
+        doc_BN=torch.zeros(rows, 1, dtype=torch.long, device=pos_B.device),
+        pos_BN=pos_B[:, None],
+        valid_BN=real_B1,
+        start_BN=~real_B1,
         mask_B1NN=mask,
     )
 
@@ -86,34 +91,32 @@ def _step_layout(pos_R: torch.Tensor, key_valid_RT: torch.Tensor) -> SeqLayout:
 def step_boundaries(model, h_BD: torch.Tensor, cache: ConceptMoECache) -> tuple[torch.Tensor, torch.Tensor]:
     """(p_B, b_B) of the new token of every row: Eq. 2 from the stored previous state, or fixed every R tokens."""
     if model.config.chunking == "fixed":
-        pos = cache.pos_B.double()
-        r = model.config.target_r
-        b_B = torch.floor(pos / r) != torch.floor((pos - 1.0) / r)
+        b_B = fixed_boundary_at(cache.pos_B, model.config.target_r)
         return b_B.float(), b_B
     p_B = model.chunker.step_probs(cache.last_h_BD, h_BD)
     return p_B, p_B >= 0.5
 
 
-def concept_step(model, c_RD: torch.Tensor, rows_R: torch.Tensor, cache: ConceptMoECache) -> torch.Tensor:
-    """Ĉ for one new concept in each row of ``rows_R``, against those rows' concept-level caches."""
-    at_R = cache.n_concepts_B[rows_R]
-    keys = int(at_R.max()) + 1
-    key_valid_RM = torch.arange(keys, device=c_RD.device)[None] <= at_R[:, None]
-    layout = _step_layout(at_R, key_valid_RM)
-    kv = [layer.for_rows(rows_R, at_R) for layer in cache.concept]
+def concept_step(model, c_bD: torch.Tensor, rows_b: torch.Tensor, cache: ConceptMoECache) -> torch.Tensor:
+    """Ĉ for one new concept in each row of ``rows_b``, against those rows' concept-level caches."""
+    at_b = cache.n_concepts_B[rows_b]
+    keys = int(at_b.max()) + 1
+    key_valid_bM = torch.arange(keys, device=c_bD.device)[None] <= at_b[:, None]
+    layout = _step_layout(at_b, key_valid_bM)
+    kv = [layer.for_rows(rows_b, at_b) for layer in cache.concept]
     try:
-        c_R1D, _ = model.concept_forward(c_RD[:, None], layout, kv=kv)
+        c_b1D, _ = model.concept_forward(c_bD[:, None], layout, kv=kv)
     finally:
         for layer in cache.concept:
             layer.for_rows(None)
-    return c_R1D[:, 0]
+    return c_b1D[:, 0]
 
 
 def decode_step(model, h_BD: torch.Tensor, cache: ConceptMoECache) -> torch.Tensor:
     """One token per row through the whole model; returns the decoder output (before the final norm)."""
     b = h_BD.shape[0]
-    cache.valid_BT = torch.cat([cache.valid_BT, cache.valid_BT.new_ones(b, 1)], dim=1)
-    layout = _step_layout(cache.pos_B, cache.valid_BT)
+    cache.valid_BN = torch.cat([cache.valid_BN, cache.valid_BN.new_ones(b, 1)], dim=1)
+    layout = _step_layout(cache.pos_B, cache.valid_BN)
     h_B1D, _ = model.encoder(h_BD[:, None], layout, kv=cache.encoder)
     if not model.config.chunked:
         h_B1D, _ = model.concept_model(h_B1D, layout, kv=cache.concept)
@@ -128,12 +131,12 @@ def decode_step(model, h_BD: torch.Tensor, cache: ConceptMoECache) -> torch.Tens
         cache.merge_BD = torch.where(b_B[:, None], torch.zeros_like(window_BD), window_BD)
     else:
         window_BD = enc_BD
-    rows_R = b_B.nonzero().squeeze(1)
-    if rows_R.numel() > 0:
-        c_RD = concept_step(model, window_BD[rows_R], rows_R, cache).float()
-        p_R1 = p_B[rows_R].float()[:, None]
-        cache.ema_BD[rows_R] = p_R1 * c_RD + (1.0 - p_R1) * cache.ema_BD[rows_R]
-        cache.n_concepts_B[rows_R] += 1
+    rows_b = b_B.nonzero().squeeze(1)
+    if rows_b.numel() > 0:
+        c_bD = concept_step(model, window_BD[rows_b], rows_b, cache).float()
+        p_b1 = p_B[rows_b].float()[:, None]
+        cache.ema_BD[rows_b] = p_b1 * c_bD + (1.0 - p_b1) * cache.ema_BD[rows_b]
+        cache.n_concepts_B[rows_b] += 1
     concept_B1D = cache.ema_BD[:, None].to(enc_BD.dtype)
     out_B1D, _ = model.decoder(h_B1D + concept_B1D, layout, concept_B1D, kv=cache.decoder)
     cache.last_h_BD = enc_BD

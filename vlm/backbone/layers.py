@@ -4,6 +4,10 @@ Masks are boolean ``[B, 1, N, N]`` tensors (True = may attend) built by :func:`a
 means a plain causal mask over the whole row (the fast path of ``scaled_dot_product_attention``).
 """
 
+# Shape suffixes (docs/paper.md §0): B batch rows, N positions per row (tokens, or concepts when the concept model
+# runs these blocks; also the keys a query attends to), D model width, H query heads, G key/value heads,
+# h query heads per KV head (H / G), K head dim, 1 a singleton axis.
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -99,9 +103,8 @@ def make_layout(
 def rope_cos_sin(pos_BN: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
     """cos, sin of shape [B, 1, N, head_dim] for rotate-half RoPE (the Llama / Qwen / OLMoE layout)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=pos_BN.device).float() / head_dim))
-    angles_BNF = pos_BN.float()[..., None] * inv_freq
-    emb_BNH = torch.cat([angles_BNF, angles_BNF], dim=-1)
-    return emb_BNH.cos()[:, None].to(dtype), emb_BNH.sin()[:, None].to(dtype)
+    angles_BNK = pos_BN.float()[..., None] * torch.cat([inv_freq, inv_freq])  # channel i pairs with i + K/2
+    return angles_BNK.cos()[:, None].to(dtype), angles_BNK.sin()[:, None].to(dtype)
 
 
 def apply_rope(x_BHNK: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -115,7 +118,8 @@ class Attention(nn.Module):
 
     With ``joint=True`` the layer also owns W_q^c, W_k^c, W_v^c and adds the concept's projections to
     Q, K and V (joint decoding, ConceptMoE Eq. 11): Q = z W_q + c W_q^c, and likewise for K and V.
-    The concept terms join before RoPE, so they rotate with the token's position like the token terms.
+    The concept terms join before RoPE, so they rotate with the token's position like the token terms (a choice the
+    paper leaves open, docs/paper.md §8).
     """
 
     def __init__(
@@ -197,18 +201,18 @@ class Attention(nn.Module):
         return self.o_proj(out_BHNK.transpose(1, 2).reshape(b, n, -1))
 
 
-def one_query_attention(q_BH1K, k_BGTK, v_BGTK, mask_B11T=None) -> torch.Tensor:
-    """softmax(q kᵀ / √hd) v for one query per row against a cache: the H query heads are grouped onto their G
-    KV heads by a view (no copy of the cache, unlike expanding K/V for GQA). On CPU this runs ~1.8x faster than
-    SDPA's flash kernel, whose blocking targets many queries."""
+def one_query_attention(q_BH1K, k_BGNK, v_BGNK, mask_B11N=None) -> torch.Tensor:
+    """softmax(q kᵀ / √K) v for one query per row against a cache of N keys: the H query heads are grouped onto
+    their G KV heads by a view (no copy of the cache, unlike expanding K/V for GQA). On CPU this runs ~1.8x faster
+    than SDPA's flash kernel, whose blocking targets many queries."""
     b, h, _, hd = q_BH1K.shape
-    g = k_BGTK.shape[1]
+    g = k_BGNK.shape[1]
     q_BGhK = q_BH1K.reshape(b, g, h // g, hd)
-    scores_BGhT = (q_BGhK @ k_BGTK.transpose(-1, -2)) * hd**-0.5
-    if mask_B11T is not None:
-        scores_BGhT = scores_BGhT.masked_fill(~mask_B11T, float("-inf"))
-    probs_BGhT = scores_BGhT.float().softmax(dim=-1).to(v_BGTK.dtype)
-    return (probs_BGhT @ v_BGTK).reshape(b, h, 1, hd)
+    scores_BGhN = (q_BGhK @ k_BGNK.transpose(-1, -2)) * hd**-0.5
+    if mask_B11N is not None:
+        scores_BGhN = scores_BGhN.masked_fill(~mask_B11N, float("-inf"))
+    probs_BGhN = scores_BGhN.float().softmax(dim=-1).to(v_BGNK.dtype)
+    return (probs_BGhN @ v_BGNK).reshape(b, h, 1, hd)
 
 
 class SwiGLU(nn.Module):

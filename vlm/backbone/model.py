@@ -1,10 +1,13 @@
-"""ConceptMoE language backbone, ConceptMoE Eq. (1):
+"""ConceptMoE language backbone, ConceptMoE Eq. (1) (§3.1; docs/paper.md §1):
 
     Ĥ = E(H);  (C, P) = Chunk(Ĥ);  Ĉ = C(C);  Z = DeChunk(Ĉ, P);  Ẑ = D(Ĉ, Z)
 
 E, C and D are stacks of MoE transformer blocks. With ``chunking="none"`` the chunk and dechunk steps
 are skipped and the three stacks form one plain MoE transformer: the baseline, on the same code path.
 """
+
+# Shape suffixes (docs/paper.md §0): B batch rows, N tokens per row, n new tokens per row, M concepts per row,
+# D model width.
 
 from __future__ import annotations
 
@@ -14,90 +17,16 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
 
+from vlm.backbone.blocks import Block, Stack
 from vlm.backbone.cache import ConceptMoECache
 from vlm.backbone.chunking import ChunkModule, chunk_to_concepts, fixed_boundaries, ratio_loss
 from vlm.backbone.chunking import ChunkOutput as _ChunkOutput
-from vlm.backbone.config import ConceptMoEConfig
+from vlm.backbone.config import CHUNKING_SETTINGS, ConceptMoEConfig, rename_legacy_fields
 from vlm.backbone.dechunk import ema_over_concepts, plug_back
 from vlm.backbone.decoding import ConceptMoEGenerationMixin, check_prefill, decode, fill_prefill_state, new_cache
-from vlm.backbone.layers import Attention, RMSNorm, SeqLayout, SwiGLU, make_layout, rope_cos_sin
-from vlm.backbone.moe import MoE, RouterStats
+from vlm.backbone.layers import RMSNorm, SeqLayout, make_layout
+from vlm.backbone.moe import MoE
 from vlm.backbone.outputs import BackboneOutput, ConceptMoECausalLMOutput, chunk_statistics
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block: x + Attn(norm(x) [, concept]); x + FFN(norm(x)), FFN = MoE or SwiGLU."""
-
-    def __init__(
-        self,
-        config: ConceptMoEConfig,
-        d_model: int,
-        head_dim: int,
-        num_experts: int,
-        top_k: int,
-        expert_dim: int,
-        joint: bool = False,
-    ):
-        super().__init__()
-        eps = config.rms_norm_eps
-        self.attn_norm = RMSNorm(d_model, eps)
-        self.attn = Attention(
-            d_model,
-            config.n_heads,
-            config.n_kv_heads,
-            head_dim,
-            config.attention_bias,
-            config.qk_norm,
-            eps,
-            joint=joint,
-        )
-        self.ffn_norm = RMSNorm(d_model, eps)
-        if config.ffn == "moe":
-            self.ffn = MoE(
-                d_model,
-                num_experts,
-                top_k,
-                expert_dim,
-                config.shared_experts,
-                config.norm_topk_prob,
-                shared_dim=config.shared_expert_dim,
-                shared_gate=config.shared_expert_gate,
-            )
-        else:
-            self.ffn = SwiGLU(d_model, config.dense_ffn_dim)
-
-    def forward(
-        self, x_BND, cos, sin, layout: SeqLayout, concept_BND=None, kv=None
-    ) -> tuple[torch.Tensor, RouterStats | None]:
-        x_BND = x_BND + self.attn(self.attn_norm(x_BND), cos, sin, layout.mask_B1NN, concept_BND, kv)
-        y_BND = self.ffn_norm(x_BND)
-        if not isinstance(self.ffn, MoE):
-            return x_BND + self.ffn(y_BND), None
-        if layout.mask_B1NN is None:  # no padding anywhere: every position is a real token
-            out_TD, stats = self.ffn(y_BND.reshape(-1, y_BND.shape[-1]))
-            return x_BND + out_TD.view_as(x_BND), stats
-        out_TD, stats = self.ffn(y_BND[layout.valid_BN])  # padding never reaches the experts or the stats
-        return x_BND.index_put((layout.valid_BN,), x_BND[layout.valid_BN] + out_TD), stats
-
-
-class Stack(nn.Module):
-    """Blocks run in ``schedule`` order (a looped concept model repeats indices; weights are shared)."""
-
-    def __init__(self, blocks: list[Block], head_dim: int, theta: float, schedule: list[int] | None = None):
-        super().__init__()
-        self.layers = nn.ModuleList(blocks)
-        self.head_dim, self.theta = head_dim, theta
-        self.schedule = list(range(len(blocks))) if schedule is None else schedule
-
-    def forward(self, x_BND, layout: SeqLayout, concept_BND=None, kv=None) -> tuple[torch.Tensor, list[RouterStats]]:
-        """``kv``: one cache per entry of the schedule (a looped layer caches each of its applications)."""
-        cos, sin = rope_cos_sin(layout.pos_BN, self.head_dim, self.theta, x_BND.dtype)
-        router_stats = []
-        for j, i in enumerate(self.schedule):
-            x_BND, stats = self.layers[i](x_BND, cos, sin, layout, concept_BND, None if kv is None else kv[j])
-            if stats is not None:
-                router_stats.append(stats)
-        return x_BND, router_stats
 
 
 def doc_ids_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
@@ -119,7 +48,7 @@ class ConceptMoEPreTrainedModel(PreTrainedModel):
             if getattr(module, "bias", None) is not None:
                 init.zeros_(module.bias)
             role = getattr(module, "init_role", None)
-            if role == "boundary_qk" and self.config.router_init == "identity":
+            if role == "boundary_qk" and self.config.boundary_router_init == "identity":
                 init.eye_(module.weight)  # H-Net: W_q = W_k = I, so p starts as ½(1 − cos(ĥ_n, ĥ_{n−1}))
             elif role == "joint_qkv" and self.config.joint_zero_init:
                 init.zeros_(module.weight)  # CT: the converted model starts exactly as the source model
@@ -140,11 +69,11 @@ class ConceptMoEModel(ConceptMoEPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, d)
         self.encoder = Stack([Block(config, **token_block) for _ in range(config.encoder_layers)], hd, theta)
         concept_block = dict(
-            d_model=config.concept_width,
+            d_model=config.concept_d_model,
             head_dim=config.concept_head_dim,
-            num_experts=config.concept_experts,
-            top_k=config.concept_k,
-            expert_dim=config.concept_ffn_dim,
+            num_experts=config.concept_num_experts,
+            top_k=config.concept_top_k,
+            expert_dim=config.concept_expert_dim,
         )
         self.concept_model = Stack(
             [Block(config, **concept_block) for _ in range(config.concept_layers)],
@@ -158,12 +87,12 @@ class ConceptMoEModel(ConceptMoEPreTrainedModel):
         )
         self.norm = RMSNorm(d, config.rms_norm_eps)
         if config.chunking == "dynamic":
-            self.chunker = ChunkModule(d, config.router)
+            self.chunker = ChunkModule(d, config.boundary_router)
         if config.chunked:
-            self.concept_norm = RMSNorm(config.concept_width, config.rms_norm_eps)
-            if config.concept_width != d:  # strategy 3: wider concept model behind projectors
-                self.concept_in = nn.Linear(d, config.concept_width, bias=False)
-                self.concept_out = nn.Linear(config.concept_width, d, bias=False)
+            self.concept_norm = RMSNorm(config.concept_d_model, config.rms_norm_eps)
+            if config.concept_d_model != d:  # strategy 3: wider concept model behind projectors
+                self.concept_in = nn.Linear(d, config.concept_d_model, bias=False)
+                self.concept_out = nn.Linear(config.concept_d_model, d, bias=False)
         self.post_init()
 
     def get_input_embeddings(self):
@@ -219,53 +148,72 @@ class ConceptMoEModel(ConceptMoEPreTrainedModel):
         use_cache: bool = False,
         **kwargs,
     ) -> BackboneOutput:
-        """The full forward (training, eval, and the prefill of generation when ``use_cache``), or — given a
-        filled ``cache`` — decoding of the new tokens, one step each (``vlm.backbone.decoding``)."""
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids or inputs_embeds")
-        h_BND = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        """Eq. (1) over whole rows (training, eval, and the prefill of generation when ``use_cache``); given a filled
+        ``cache``, the new tokens are decoded one step each instead (:meth:`decode`)."""
+        h_BND = self.embed(input_ids, inputs_embeds)
         if cache is not None and cache.get_seq_length() > 0:
-            new_valid = None if attention_mask is None else attention_mask[:, -h_BND.shape[1] :].bool()
-            return BackboneOutput(last_hidden_state=decode(self, h_BND, cache, new_valid), aux={}, cache=cache)
-        if doc_ids is None and position_ids is not None:
-            doc_ids = doc_ids_from_positions(position_ids)
-        layout = make_layout(doc_ids, attention_mask, h_BND.shape[:2], h_BND.device, position_ids, forced_boundaries)
-        if use_cache or cache is not None:
-            check_prefill(layout)
-            cache = cache if cache is not None else new_cache(self)
-        enc_kv = concept_kv = dec_kv = None
+            return self.decode(h_BND, cache, attention_mask)
+        layout = self.layout(h_BND, doc_ids, position_ids, attention_mask, forced_boundaries)
+        cache = self.prefill_cache(layout, cache, use_cache)
+        kv = cache.per_stack() if cache is not None else {}
+        h_BND, enc_stats = self.encoder(h_BND, layout, kv=kv.get("encoder"))  # Ĥ = E(H)
+        chunk = ema_BMD = concept_BND = None
+        if self.config.chunked:
+            chunk = self.chunk(h_BND, layout)  # (P, B): Eq. 2 (dynamic) or every R tokens (fixed)
+            concepts = chunk_to_concepts(h_BND, chunk, layout, self.config.concept_merge)  # C
+            c_BMD, con_stats = self.concept_forward(concepts.c_BMD, concepts.layout, kv=kv.get("concept"))  # Ĉ = C(C)
+            ema_BMD = ema_over_concepts(c_BMD, concepts.p_BM)  # Eq. 7-8
+            dechunked = plug_back(h_BND, ema_BMD, chunk.p_BN, chunk.b_BN)  # Z = DeChunk(Ĉ, P): Eq. 9-10
+            z_BND, concept_BND = dechunked.z_BND, dechunked.concept_BND
+        else:  # the plain MoE baseline: the concept model runs on the tokens themselves
+            z_BND, con_stats = self.concept_model(h_BND, layout, kv=kv.get("concept"))
+        out_BND, dec_stats = self.decoder(z_BND, layout, concept_BND, kv=kv.get("decoder"))  # Ẑ = D(Ĉ, Z): Eq. 11
         if cache is not None:
-            enc_kv, concept_kv, dec_kv = cache.encoder, cache.concept, cache.decoder
-
-        h_BND, router_stats = self.encoder(h_BND, layout, kv=enc_kv)
-        chunk, aux = None, {}
-        if not self.config.chunked:
-            if cache is not None:
-                fill_prefill_state(cache, layout, h_BND)
-            h_BND, stats = self.concept_model(h_BND, layout, kv=concept_kv)
-            h_BND, dec_stats = self.decoder(h_BND, layout, kv=dec_kv)
-        else:
-            chunk = self.chunk(h_BND, layout)
-            concepts = chunk_to_concepts(h_BND, chunk, layout, self.config.merge)
-            c_BMD, stats = self.concept_forward(concepts.c_BMD, concepts.layout, kv=concept_kv)
-            ema_BMD = ema_over_concepts(c_BMD, concepts.p_BM)
-            if cache is not None:
-                fill_prefill_state(cache, layout, h_BND, chunk.b_BN, ema_BMD, self.config.merge)
-            dechunked = plug_back(h_BND, ema_BMD, chunk.p_BN, chunk.b_BN)
-            h_BND, dec_stats = self.decoder(dechunked.z_BND, layout, dechunked.concept_BND, kv=dec_kv)
-            if self.config.chunking == "dynamic":
-                aux["ratio_loss"] = self.ratio_objective(chunk, layout, modality_ids)
-        router_stats += stats + dec_stats
-        if router_stats:
-            aux["balance_loss"] = torch.stack([s.balance_loss for s in router_stats]).mean()
-            aux["z_loss"] = torch.stack([s.z_loss for s in router_stats]).mean()
+            b_BN = None if chunk is None else chunk.b_BN
+            fill_prefill_state(cache, layout, h_BND, b_BN, ema_BMD, self.config.concept_merge)
         return BackboneOutput(
-            last_hidden_state=self.norm(h_BND),
-            aux=aux,
+            last_hidden_state=self.norm(out_BND),
+            aux=self.aux_losses(chunk, layout, modality_ids, enc_stats + con_stats + dec_stats),
             chunk_stats=chunk_statistics(chunk, layout, modality_ids),
             chunk=chunk,
             cache=cache,
         )
+
+    # ------------------------------------------------------------------ the pieces forward() calls
+    def embed(self, input_ids, inputs_embeds) -> torch.Tensor:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        return self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+
+    @staticmethod
+    def layout(h_BND, doc_ids, position_ids, attention_mask, forced_boundaries) -> SeqLayout:
+        """Documents, positions, padding and forced boundaries of the rows (doc ids default from positions)."""
+        if doc_ids is None and position_ids is not None:
+            doc_ids = doc_ids_from_positions(position_ids)
+        return make_layout(doc_ids, attention_mask, h_BND.shape[:2], h_BND.device, position_ids, forced_boundaries)
+
+    def prefill_cache(self, layout: SeqLayout, cache: ConceptMoECache | None, use_cache: bool):
+        """The cache this forward fills (generation's prefill), or None when nothing is cached."""
+        if not (use_cache or cache is not None):
+            return None
+        check_prefill(layout)
+        return cache if cache is not None else new_cache(self)
+
+    def aux_losses(self, chunk: _ChunkOutput | None, layout: SeqLayout, modality_BN, router_stats) -> dict:
+        """The auxiliary objectives: ratio loss (dynamic chunking) and the experts' balance and z losses."""
+        aux = {}
+        if self.config.chunking == "dynamic":
+            aux["ratio_loss"] = self.ratio_objective(chunk, layout, modality_BN)
+        if router_stats:
+            aux["balance_loss"] = torch.stack([s.balance_loss for s in router_stats]).mean()
+            aux["z_loss"] = torch.stack([s.z_loss for s in router_stats]).mean()
+        return aux
+
+    def decode(self, h_BnD: torch.Tensor, cache: ConceptMoECache, attention_mask=None) -> BackboneOutput:
+        """Incremental decoding after a prefill: each new token runs one step (``vlm.backbone.decoding``), and only
+        tokens that close a concept run the concept model."""
+        new_valid_Bn = None if attention_mask is None else attention_mask[:, -h_BnD.shape[1] :].bool()
+        return BackboneOutput(last_hidden_state=decode(self, h_BnD, cache, new_valid_Bn), aux={}, cache=cache)
 
 
 class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, ConceptMoEGenerationMixin):
@@ -285,6 +233,31 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, ConceptMoEGenerationMixin
 
     def get_output_embeddings(self):
         return self.lm_head
+
+    def set_chunking(self, **settings) -> None:
+        """Change chunking settings of this built model in place: the one way training stages, evaluation at another
+        R and studies do it. ``settings`` are fields of ``CHUNKING_SETTINGS`` (``chunking``, ``target_r``,
+        ``noise_tau``, ``ratio_loss_weight``, ...); the resulting config is validated as a whole.
+
+        Modules are fixed when a model is built: ``dynamic`` needs the boundary router of a model built ``dynamic``,
+        and a chunked model cannot become ``none`` (or back), since chunk / dechunk modules exist only in chunked
+        models. ``fixed`` on a ``dynamic`` model forces R at evaluation.
+        """
+        settings = rename_legacy_fields(settings, "set_chunking")
+        unknown = sorted(set(settings) - set(CHUNKING_SETTINGS))
+        if unknown:
+            raise ValueError(f"set_chunking: {unknown[0]!r} is not a chunking setting; allowed: {CHUNKING_SETTINGS}")
+        current, wanted = self.config.chunking, settings.get("chunking", self.config.chunking)
+        if (wanted == "none") != (current == "none") or (wanted == "dynamic" and not hasattr(self.model, "chunker")):
+            raise ValueError(
+                f"set_chunking: chunking={wanted!r} cannot be applied to a model built with chunking={current!r} "
+                "(the chunk / dechunk modules and the boundary router exist only in models built with them)"
+            )
+        fields = {k: v for k, v in self.config.to_dict().items() if k != "model_type"}
+        candidate = ConceptMoEConfig(**{**fields, **settings})  # raises ValueError naming a bad field
+        for config in {id(c): c for c in (self.config, self.model.config)}.values():
+            for name in settings:
+                setattr(config, name, getattr(candidate, name))
 
     def set_output_embeddings(self, value):
         self.lm_head = value
@@ -345,6 +318,6 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, ConceptMoEGenerationMixin
                 loss = loss + cfg.ratio_loss_weight * aux["ratio_loss"]
             if "balance_loss" in aux:
                 loss = loss + cfg.balance_loss_weight * aux["balance_loss"]
-                if cfg.router_z_loss_weight > 0:
-                    loss = loss + cfg.router_z_loss_weight * aux["z_loss"]
+                if cfg.moe_z_loss_weight > 0:
+                    loss = loss + cfg.moe_z_loss_weight * aux["z_loss"]
         return ConceptMoECausalLMOutput(loss=loss, logits=logits, aux=aux, chunk_stats=out.chunk_stats, cache=out.cache)

@@ -3,7 +3,14 @@
 Dropless: every token reaches its k experts. Dispatch sorts the (token, expert) pairs by expert so each
 expert runs one matmul on a contiguous slice (a loop over experts, never over tokens), then the
 weighted outputs are added back per token with ``index_add_``.
+
+The paper states only the number of activated experts (8 in every baseline); the router, shared experts and
+auxiliary losses here are the project's choices (docs/paper.md §12.11).
 """
+
+# Shape suffixes (docs/paper.md §0): T tokens of the batch flattened (padding dropped), D model width, E experts,
+# A activated experts per token (top-k), F expert hidden width, S (token, expert) slots (T·A of them),
+# s the slots of one expert.
 
 from __future__ import annotations
 
@@ -27,7 +34,7 @@ class RouterStats:
     tokens_per_expert_E: torch.Tensor  # long [E]: routed (token, expert) pairs per expert
 
 
-def load_balancing_loss(probs_TE: torch.Tensor, expert_idx_TK: torch.Tensor) -> torch.Tensor:
+def load_balancing_loss(probs_TE: torch.Tensor, expert_idx_TA: torch.Tensor) -> torch.Tensor:
     """Switch / DeepSeek auxiliary loss  L = E * sum_e f_e * P_e.
 
     f_e = fraction of the T*k routed slots that went to expert e (not differentiable),
@@ -36,8 +43,8 @@ def load_balancing_loss(probs_TE: torch.Tensor, expert_idx_TK: torch.Tensor) -> 
     t, e = probs_TE.shape
     if t == 0:
         return probs_TE.sum()
-    counts_E = torch.bincount(expert_idx_TK.reshape(-1), minlength=e).to(probs_TE.dtype)
-    f_E = counts_E / expert_idx_TK.numel()
+    counts_E = torch.bincount(expert_idx_TA.reshape(-1), minlength=e).to(probs_TE.dtype)
+    f_E = counts_E / expert_idx_TA.numel()
     p_E = probs_TE.mean(dim=0)
     return e * (f_E * p_E).sum()
 
@@ -96,10 +103,10 @@ class MoE(nn.Module):
         """Softmax over all experts, keep the top-k (renormalised if ``norm_topk_prob``)."""
         logits_TE = self.router(x_TD).float()
         probs_TE = logits_TE.softmax(dim=-1)
-        weight_TK, expert_idx_TK = probs_TE.topk(self.top_k, dim=-1)
+        weight_TA, expert_idx_TA = probs_TE.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
-            weight_TK = weight_TK / weight_TK.sum(dim=-1, keepdim=True)
-        return logits_TE, probs_TE, weight_TK, expert_idx_TK
+            weight_TA = weight_TA / weight_TA.sum(dim=-1, keepdim=True)
+        return logits_TE, probs_TE, weight_TA, expert_idx_TA
 
     def expert_ffn(self, x_SD: torch.Tensor, weight_S: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """weight_s · SwiGLU_e(x_s) for rows sorted by expert (``counts_E`` rows per expert).
@@ -118,16 +125,16 @@ class MoE(nn.Module):
         outs = []
         w_gate_up, w_down = self.w_gate_up.unbind(0), self.w_down.unbind(0)
         counts = counts_E.tolist()
-        for e, (x_ED, w_E1) in enumerate(zip(torch.split(x_SD, counts), torch.split(weight_S1, counts))):
-            if x_ED.shape[0] > 0:
-                gate, up = (x_ED @ w_gate_up[e]).chunk(2, dim=-1)
-                outs.append((F.silu(gate) * (up * w_E1)) @ w_down[e])
+        for e, (x_sD, w_s1) in enumerate(zip(torch.split(x_SD, counts), torch.split(weight_S1, counts))):
+            if x_sD.shape[0] > 0:
+                gate, up = (x_sD @ w_gate_up[e]).chunk(2, dim=-1)
+                outs.append((F.silu(gate) * (up * w_s1)) @ w_down[e])
         return torch.cat(outs)
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
-        logits_TE, probs_TE, weight_TK, expert_idx_TK = self.route(x_TD)
-        t, k = expert_idx_TK.shape
-        flat_expert_S = expert_idx_TK.reshape(-1)
+        logits_TE, probs_TE, weight_TA, expert_idx_TA = self.route(x_TD)
+        t, k = expert_idx_TA.shape
+        flat_expert_S = expert_idx_TA.reshape(-1)
         counts_E = torch.bincount(flat_expert_S, minlength=self.num_experts)
         y_TD = self.shared(x_TD) if self.shared is not None else torch.zeros_like(x_TD)
         if self.shared_gate is not None:
@@ -135,12 +142,12 @@ class MoE(nn.Module):
         if t > 0:  # dropless grouped dispatch: sort (token, expert) pairs by expert, add back per token
             order_S = torch.argsort(flat_expert_S, stable=True)
             token_S = order_S // k
-            y_SD = self.expert_ffn(x_TD.index_select(0, token_S), weight_TK.reshape(-1)[order_S], counts_E)
+            y_SD = self.expert_ffn(x_TD.index_select(0, token_S), weight_TA.reshape(-1)[order_S], counts_E)
             y_TD = y_TD.index_add(0, token_S, y_SD)
         else:  # a fully padded batch: still give every expert a (zero) gradient, as DDP / ZeRO expect
             y_TD = y_TD + 0.0 * (self.w_gate_up.sum() + self.w_down.sum()).to(x_TD.dtype)
         stats = RouterStats(
-            balance_loss=load_balancing_loss(probs_TE, expert_idx_TK),
+            balance_loss=load_balancing_loss(probs_TE, expert_idx_TA),
             z_loss=router_z_loss(logits_TE),
             tokens_per_expert_E=counts_E,
         )

@@ -1,4 +1,6 @@
-"""Model outputs and the chunking statistics reported with every forward."""
+"""Model outputs and the chunking statistics reported with every forward (per-modality R: docs/paper.md §11)."""
+
+# Shape suffixes (docs/paper.md §0): B batch rows, N tokens per row, D model width.
 
 from __future__ import annotations
 
@@ -31,6 +33,9 @@ class ConceptMoECausalLMOutput(ModelOutput):
     cache: object | None = None  # vlm.backbone.cache.ConceptMoECache: pass it back with the next tokens
 
 
+ALWAYS_REPORTED = (0, 1)
+
+
 @torch.no_grad()
 def chunk_statistics(chunk: ChunkOutput | None, layout: SeqLayout, modality_BN: torch.Tensor | None) -> dict:
     """Counts behind R, overall and per modality id.
@@ -60,7 +65,9 @@ def chunk_statistics(chunk: ChunkOutput | None, layout: SeqLayout, modality_BN: 
         "flip_rate_by_modality": {},
     }
     present = torch.unique(modality_BN[valid_BN]).tolist()
-    for m in sorted(set(present) | {0, 1}):  # text (0) and image (1) always reported; R is None when absent
+    # Modality ids are opaque to the backbone; 0 and 1 are the VLM's text and image (``data_pipelines.Modality``,
+    # which the backbone may not import), always reported so that logs keep one shape; R is None when absent.
+    for m in sorted(set(present) | set(ALWAYS_REPORTED)):
         in_m = (modality_BN == m) & valid_BN
         t_m, c_m = int(in_m.sum()), int((b_BN & in_m).sum())
         stats["tokens_by_modality"][m] = t_m

@@ -7,7 +7,15 @@ HF export.
     python -m vlm.training.export runs/tiny --out runs/tiny/hf-latest
 
 - ``config``: YAML + ``--set`` overrides, defaults, validation (``ConfigError`` names the field).
-- ``loop``: the DeepSpeed loop; ``metrics``: exact R aggregation and the rank-0 writers (``metrics.jsonl``,
-  TensorBoard when installed, progress line); ``checkpoint``: complete-only checkpoints, ``--resume``;
-  ``export``: gathered fp32 weights -> ``save_pretrained`` folder (model + processor).
+- ``build``: the model and processor a config describes (a preset with overrides, or ``model.init_from`` a saved
+  folder).
+- ``step``: what every run shares: the learning-rate schedule, one optimiser step, the held-out evaluation.
+- ``loop``: the DeepSpeed loop; ``metrics``: exact R aggregation (total / text / image, docs/paper.md §11) and
+  the rank-0 writers (``metrics.jsonl``, TensorBoard when installed, progress line); ``checkpoint``:
+  complete-only checkpoints, ``--resume``.
+- ``export`` (``python -m vlm.training.export RUN_DIR --out DIR``): gathered fp32 weights -> ``save_pretrained``
+  folder (model + processor).
+- ``single_process``: training in one process without DeepSpeed (``LocalEngine``, same step and evaluation as
+  the DeepSpeed loop), for the CPU demos (``make demo-backbone``, ``scripts/demo_backbone.py``), benchmarks and
+  convergence tests.
 """

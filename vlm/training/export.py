@@ -15,6 +15,7 @@ import os
 import yaml
 
 from vlm.training import checkpoint
+from vlm.training.build import build_model
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +35,6 @@ def full_state_dict(root: str, tag: str) -> dict:
 
 def export_checkpoint(run_dir: str, out_dir: str, tag: str | None = None) -> str:
     """Writes the model and processor of ``run_dir``'s checkpoint ``tag`` (default: latest complete) to ``out_dir``."""
-    from vlm.training.loop import build_model
-
     root = checkpoint.checkpoint_dir(run_dir)
     tag = tag or checkpoint.latest_tag(root)
     if tag is None:

@@ -58,6 +58,22 @@ class StepStats:
         return out
 
 
+def step_record(
+    step: int, lr: float, target_r: float, stats: StepStats | None, elapsed: float, nonfinite_total: int
+) -> dict:
+    """One optimiser step's ``metrics.jsonl`` record: loss terms, R total / text / image, token and concept counts
+    (in total and by modality, keys ``"0"`` / ``"1"``), tokens/s; only ``skipped`` and the counters when skipped."""
+    record = {"step": step, "lr": lr, "target_r": target_r, "skipped": stats is None,
+              "nonfinite_total": nonfinite_total}  # fmt: skip
+    if stats is not None:
+        record |= stats.losses | stats.ratios()
+        record["tokens"], record["concepts"] = stats.tokens, stats.concepts
+        record["tokens_by_modality"] = {str(m): n for m, n in stats.tokens_by_modality.items()}
+        record["concepts_by_modality"] = {str(m): n for m, n in stats.concepts_by_modality.items()}
+        record["tokens_per_s"] = stats.tokens / max(elapsed, 1e-9)
+    return record
+
+
 class MetricsWriter:
     """Rank 0 only (``enabled``): appends to ``RUN_DIR/metrics.jsonl``, TensorBoard scalars, a progress line."""
 
@@ -89,14 +105,7 @@ class MetricsWriter:
 
     def step_record(self, step: int, lr: float, target_r: float, stats: StepStats | None, elapsed: float, guard):
         """Builds, writes and prints one optimiser step's record (collective-free; stats are already reduced)."""
-        record = {"step": step, "lr": lr, "target_r": target_r, "skipped": stats is None,
-                  "nonfinite_total": guard.total}  # fmt: skip
-        if stats is not None:
-            record |= stats.losses | stats.ratios()
-            record["tokens"], record["concepts"] = stats.tokens, stats.concepts
-            record["tokens_by_modality"] = {str(m): n for m, n in stats.tokens_by_modality.items()}
-            record["concepts_by_modality"] = {str(m): n for m, n in stats.concepts_by_modality.items()}
-            record["tokens_per_s"] = stats.tokens / max(elapsed, 1e-9)
+        record = step_record(step, lr, target_r, stats, elapsed, guard.total)
         self.write(record)
         if self.enabled and (step % self.log_every == 0 or step == self.total_steps or stats is None):
             self.progress(record)

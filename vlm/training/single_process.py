@@ -1,89 +1,96 @@
-"""A minimal single-process training loop for the backbone (the CPU demo and the convergence test).
+"""Single-process training without DeepSpeed (the CPU demos, benchmarks and convergence tests), on the same step
+and evaluation as the DeepSpeed loop (``vlm.training.step``): ``LocalEngine`` is the slice of a DeepSpeed engine
+they use, over one model and a plain AdamW with gradient clipping.
 
-AdamW, linear warmup then cosine decay, gradient clipping; every step's loss terms and chunk
-statistics are recorded. Multi-process ZeRO training is ``scripts/train_vlm.py`` (DeepSpeed).
+Linear warmup then cosine decay; non-finite losses are skipped as in the DeepSpeed loop. Every step's record is the
+one the DeepSpeed loop writes to ``metrics.jsonl``, plus ``grad_norm``. Multi-process ZeRO training is
+``scripts/train_vlm.py`` (DeepSpeed).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import torch
 
+from vlm.training.metrics import step_record
+from vlm.training.step import NonFiniteGuard, TrainSettings, evaluate, lr_at, train_step
 
-@dataclass
-class TrainSettings:
-    steps: int = 300
-    lr: float = 3e-3
-    warmup: int = 20
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
+__all__ = ["LocalEngine", "TrainSettings", "evaluate", "train"]
 
 
-def lr_at(step: int, s: TrainSettings) -> float:
-    """Linear warmup to ``lr`` over ``warmup`` steps, then cosine decay to ``min_lr_ratio * lr``."""
-    if step < s.warmup:
-        return s.lr * (step + 1) / s.warmup
-    progress = (step - s.warmup) / max(1, s.steps - s.warmup)
-    return s.lr * (s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+class LocalEngine:
+    """What ``train_step`` / ``evaluate`` use of a DeepSpeed engine, on one process: called like the model,
+    ``backward`` (the loss scaled by ``1 / grad_accum``, as DeepSpeed does) and ``step`` (clip the gradient norm to
+    ``grad_clip``, AdamW step, zero the gradients at the end of every ``grad_accum`` micro-batches), ``optimizer``,
+    ``train`` / ``eval``."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        lr: float,
+        weight_decay: float = 0.01,
+        grad_clip: float = 1.0,
+        grad_accum: int = 1,
+        betas: tuple[float, float] = (0.9, 0.95),
+    ):
+        self.module, self.grad_clip, self.grad_accum = model, grad_clip, grad_accum
+        self.optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay, betas=betas
+        )
+        self.micro_steps = self.global_steps = 0
+        self.grad_norm: float | None = None  # before clipping, at the last optimiser step
+
+    def __call__(self, **batch):
+        return self.module(**batch)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss / self.grad_accum).backward()
+
+    def step(self) -> None:
+        self.micro_steps += 1
+        if self.micro_steps % self.grad_accum:
+            return
+        self.grad_norm = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.grad_clip))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.global_steps += 1
+
+    @property
+    def training(self) -> bool:
+        return self.module.training
+
+    def train(self, mode: bool = True) -> LocalEngine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> LocalEngine:
+        return self.train(False)
 
 
 def train(
     model, batches: Iterator[dict], settings: TrainSettings, on_step: Callable[[dict], None] | None = None
 ) -> list[dict]:
-    """Train ``model`` on ``batches`` (dicts of model inputs incl. labels); returns one record per step."""
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay, betas=(0.9, 0.95)
-    )
-    model.train()
+    """Train ``model`` on ``batches`` (dicts of model inputs incl. labels), one batch per optimiser step; returns
+    one record per step (see the module docstring). Raises ``NonFiniteLossError`` after
+    ``settings.max_nonfinite`` non-finite steps in a row."""
+    engine = LocalEngine(model, settings.lr, settings.weight_decay, settings.grad_clip)
+    guard = NonFiniteGuard(settings.max_nonfinite)
+    target_r = getattr(model.config, "text_config", model.config).effective_r
+    engine.train()
     history = []
     for step in range(settings.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, settings)
+        lr = lr_at(step, settings)
+        for group in engine.optimizer.param_groups:
+            group["lr"] = lr
         batch = next(batches)
         start = time.perf_counter()
-        out = model(**batch)
-        out.loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        elapsed = time.perf_counter() - start
-        record = {
-            "step": step + 1,
-            "loss": out.loss.item(),
-            **{k: v.item() for k, v in out.aux.items()},
-            "r": out.chunk_stats["r"],
-            "r_by_modality": out.chunk_stats["r_by_modality"],
-            "tokens_by_modality": out.chunk_stats["tokens_by_modality"],
-            "concepts_by_modality": out.chunk_stats["concepts_by_modality"],
-            "target_r": getattr(model.config, "text_config", model.config).effective_r,
-            "flip_rate": out.chunk_stats["flip_rate"],
-            "grad_norm": float(grad_norm),
-            "lr": optimizer.param_groups[0]["lr"],
-            "tokens_per_s": out.chunk_stats["tokens"] / elapsed,
-        }
+        stats = train_step(engine, [batch], guard, step + 1)
+        record = step_record(step + 1, lr, target_r, stats, time.perf_counter() - start, guard.total)
+        if stats is not None:
+            record["grad_norm"] = engine.grad_norm
         history.append(record)
         if on_step is not None:
             on_step(record)
     return history
-
-
-@torch.no_grad()
-def evaluate(model, batches: Iterator[dict], max_batches: int = 8) -> dict:
-    """Held-out LM loss (nats and bits per token) and the eval-mode compression ratio."""
-    model.eval()
-    loss_sum, token_count, tokens, concepts = 0.0, 0, 0, 0
-    for _, batch in zip(range(max_batches), batches):
-        out = model(**batch)
-        n = int((batch["labels"][:, 1:] != -100).sum())
-        loss_sum += out.aux["lm_loss"].item() * n
-        token_count += n
-        tokens += out.chunk_stats["tokens"]
-        concepts += out.chunk_stats["concepts"]
-    model.train()
-    loss = loss_sum / max(token_count, 1)
-    return {"lm_loss": loss, "bits_per_token": loss / math.log(2), "r": tokens / max(concepts, 1)}

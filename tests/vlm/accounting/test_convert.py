@@ -1,6 +1,8 @@
 """vlm.accounting.convert: HF MoE -> ConceptMoE. Exact logits without chunking, CT start and target R, save/load,
 CLI, errors."""
 
+# Shape suffixes (docs/paper.md §0): B batch rows, N tokens per row.
+
 from __future__ import annotations
 
 import json
@@ -90,10 +92,10 @@ def test_chunked_conversion_adds_only_the_paper_modules_and_round_trips(tmp_path
     source = random_source("qwen2_moe")
     conv = convert(source, target_r=1.5, encoder_layers=1, decoder_layers=2, top_k=4, loop=2, loop_layers=1)
     model, cfg = conv.model, conv.model.config
-    assert (cfg.chunking, cfg.merge, cfg.router_init, cfg.joint_layers, cfg.joint_zero_init) == (
+    assert (cfg.chunking, cfg.concept_merge, cfg.boundary_router_init, cfg.joint_layers, cfg.joint_zero_init) == (
         "dynamic", "last", "random", 2, True
     )  # fmt: skip
-    assert cfg.concept_k == 4 and cfg.concept_schedule() == [0, 0, 1]
+    assert cfg.concept_top_k == 4 and cfg.concept_schedule() == [0, 0, 1]
     assert conv.report["new_weights"] == sorted(
         ["model.chunker.q_proj.weight", "model.chunker.k_proj.weight", "model.concept_norm.weight"]
         + [f"model.decoder.layers.{i}.attn.{p}_c.weight" for i in range(2) for p in "qkv"]
@@ -155,7 +157,7 @@ def test_cli_end_to_end(tmp_path):
     report = json.loads((tmp_path / "out" / "conversion_report.json").read_text())
     assert report["converted"]["r"] == 1.5 and report["layers"] == {"encoder": 1, "concept": 3, "decoder": 1}
     model = ConceptMoEForCausalLM.from_pretrained(tmp_path / "out")
-    assert model.config.concept_k == 3 and model.config.merge == "last"
+    assert model.config.concept_top_k == 3 and model.config.concept_merge == "last"
 
 
 def test_cli_refuses_a_dense_checkpoint_with_exit_code_2(tmp_path, monkeypatch, capsys):
@@ -203,14 +205,14 @@ def test_continual_training_starts_near_the_source_loss_and_reaches_target_r():
     assert source_loss < 3.5  # learned something (uniform over bytes: ln 259 = 5.56)
 
     model = convert(source, target_r=1.5, encoder_layers=1, decoder_layers=1, ratio_loss_weight=0.3).model
-    start = evaluate(model, (b for _, b in held_out), max_batches=4)
+    start = evaluate(model, (b for _, b in held_out), n_batches=4)
     history = train(model, batches("train", 1), TrainSettings(steps=CT_STEPS, lr=1e-3, warmup=5))
-    end = evaluate(model, (b for _, b in held_out), max_batches=4)
-    print(f"source {source_loss:.3f}  CT start {start['lm_loss']:.3f} (R {start['r']:.2f})  "
-          f"CT end {end['lm_loss']:.3f} (R {end['r']:.2f})")  # fmt: skip
-    assert start["lm_loss"] < source_loss + 0.4  # chunking and re-routing cost little at the start
-    assert end["lm_loss"] < source_loss + 0.2
-    assert abs(end["r"] - 1.5) <= 0.25, end  # eval R (p >= 0.5) at the target
+    end = evaluate(model, (b for _, b in held_out), n_batches=4)
+    print(f"source {source_loss:.3f}  CT start {start['eval_loss']:.3f} (R {start['eval_r']:.2f})  "
+          f"CT end {end['eval_loss']:.3f} (R {end['eval_r']:.2f})")  # fmt: skip
+    assert start["eval_loss"] < source_loss + 0.4  # chunking and re-routing cost little at the start
+    assert end["eval_loss"] < source_loss + 0.2
+    assert abs(end["eval_r"] - 1.5) <= 0.25, end  # eval R (p >= 0.5) at the target
     assert abs(sum(h["r"] for h in history[-10:]) / 10 - 1.5) <= 0.25
 
 

@@ -1,5 +1,7 @@
 """vlm.accounting.flops: params against the real model, FLOPs against torch's FlopCounterMode, compute matching."""
 
+# Shape suffixes (docs/paper.md §0): B batch rows, N tokens per row.
+
 from __future__ import annotations
 
 import logging
@@ -40,7 +42,7 @@ PARAM_CASES = {
         "tiny",
         dict(concept_d_model=96, concept_num_experts=4, concept_top_k=2, concept_expert_dim=48),
     ),
-    "linear-router": ("tiny", dict(router="linear")),
+    "linear-router": ("tiny", dict(boundary_router="linear")),
     "fixed-chunking": ("tiny", dict(chunking="fixed", concept_d_model=128, concept_top_k=2)),
     "bias-qknorm-head": (None, {**SMALLER, "attention_bias": True, "qk_norm": "head"}),
     "bias-qknorm-full-headdim": ("tiny", dict(attention_bias=True, qk_norm="full", head_dim=24)),
@@ -122,7 +124,7 @@ def test_flops_match_flop_counter(preset, overrides):
 
 @pytest.mark.parametrize("strategy", [1, 2, 3])
 def test_table1_attention_and_kv_reductions(strategy):
-    """Concept-only MHA model: SPEC Table 1's R^2, R^2 L_C / (L_C + L_loop), R^1.5 (d_c = sqrt(R) d)
+    """Concept-only MHA model: the paper's Table 1 R^2, R^2 L_C / (L_C + L_loop), R^1.5 (d_c = sqrt(R) d)
     attention-map reductions and R, R L_C / (L_C + L_loop), sqrt(R) KV-cache reductions."""
     r, d = 4.0, 64
     shape = dict(d_model=d, n_heads=4, encoder_layers=0, concept_layers=4, decoder_layers=0, vocab_size=64)
@@ -157,11 +159,11 @@ def test_match_within_two_percent(base_name, strategy, r):
         assert getattr(config, field) == getattr(base, field), field
     config.validate_fields()
     if strategy == 1:
-        assert config.concept_k > base.top_k and config.concept_loop == 1 and config.concept_width == base.d_model
+        assert config.concept_top_k > base.top_k and config.concept_loop == 1 and config.concept_d_model == base.d_model
     if strategy == 2:
-        assert config.concept_loop > 1 and config.concept_width == base.d_model
+        assert config.concept_loop > 1 and config.concept_d_model == base.d_model
     if strategy == 3:
-        assert config.concept_width > base.d_model and config.concept_experts < base.num_experts
+        assert config.concept_d_model > base.d_model and config.concept_num_experts < base.num_experts
         assert config.concept_head_dim % 8 == 0
     if base_name == "small-moe":
         with torch.device("meta"):
@@ -171,8 +173,8 @@ def test_match_within_two_percent(base_name, strategy, r):
 
 def test_match_pins_overrides_and_warns_when_unreachable(caplog):
     base = ConceptMoEConfig.from_preset("small-moe")
-    config = match(base, 2.0, 2, concept_loop_layers=3, router="linear")
-    assert config.concept_loop_layers == 3 and config.router == "linear"
+    config = match(base, 2.0, 2, concept_loop_layers=3, boundary_router="linear")
+    assert config.concept_loop_layers == 3 and config.boundary_router == "linear"
     with caplog.at_level(logging.WARNING, logger="vlm.accounting.flops"):
         config, report = match(base, 2.0, 1, concept_top_k=base.top_k, return_report=True)
     assert config.concept_top_k == base.top_k and not report["within_tolerance"]

@@ -4,6 +4,9 @@ Written from the equations, independently of ``vlm``'s code: explicit softmax at
 MoE routing with a Python loop over tokens, and the plain MoE transformer the ``none`` mode must equal.
 """
 
+# Shape suffixes (docs/paper.md §0): N tokens of one row, M concepts, D model width, H heads, K head dim,
+# T tokens flattened (the MoE's input rows).
+
 import math
 
 import torch

@@ -1,5 +1,7 @@
 """Chunk module: Eq. 2 (boundary probability), Eq. 3-4 (ratio loss), Eq. 5-6 (noise), merging."""
 
+# Shape suffixes (docs/paper.md §0): B batch rows, N tokens per row, D model width.
+
 import math
 
 import pytest
@@ -70,7 +72,7 @@ def test_sharpening_matches_eq5():
 
 
 def test_noise_flip_rate_matches_derivation_and_is_off_in_eval():
-    """At p = 0.5 and τ = 6 a boundary is dropped with probability 1 − 0.5^{1/6} ≈ 0.109 (SPEC §3)."""
+    """At p = 0.5 and τ = 6 a boundary is dropped with probability 1 − 0.5^{1/6} ≈ 0.109 (Eq. 5-6; docs/paper.md §4)."""
     torch.manual_seed(0)
     module = ChunkModule(4, "cosine")
     h = torch.randn(64, 200, 4)
@@ -92,7 +94,7 @@ def test_noise_flip_rate_matches_derivation_and_is_off_in_eval():
 
 def test_gradients_reach_router_projections_from_the_lm_loss_alone():
     """λ = 0: the router learns from the LM loss through the STE confidences and the EMA weights."""
-    config = ConceptMoEConfig.from_preset("tiny", ratio_loss_weight=0.0, router_init="random")
+    config = ConceptMoEConfig.from_preset("tiny", ratio_loss_weight=0.0, boundary_router_init="random")
     model = ConceptMoEForCausalLM(config)
     ids = torch.randint(0, config.vocab_size, (2, 32))
     model(ids, labels=ids).loss.backward()
@@ -101,7 +103,7 @@ def test_gradients_reach_router_projections_from_the_lm_loss_alone():
 
 
 def test_linear_router_is_trainable_and_forces_first_boundary():
-    model = ConceptMoEForCausalLM(ConceptMoEConfig.from_preset("tiny", router="linear"))
+    model = ConceptMoEForCausalLM(ConceptMoEConfig.from_preset("tiny", boundary_router="linear"))
     ids = torch.randint(0, 512, (2, 24))
     out = model(ids, labels=ids)
     out.loss.backward()

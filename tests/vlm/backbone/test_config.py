@@ -1,10 +1,13 @@
-"""Config validation, presets, HF Auto registration and the save/load round trip."""
+"""Config validation, presets, HF Auto registration, the save/load round trip, renamed fields and set_chunking."""
+
+import json
 
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from vlm import ConceptMoEConfig, ConceptMoEForCausalLM
+from vlm.backbone.config import RENAMED_FIELDS
 
 
 @pytest.mark.parametrize(
@@ -16,8 +19,8 @@ from vlm import ConceptMoEConfig, ConceptMoEForCausalLM
         (dict(concept_top_k=9), "concept_top_k"),
         (dict(joint_layers=2, decoder_layers=1), "joint_layers"),
         (dict(chunking="adaptive"), "chunking"),
-        (dict(router="mlp"), "router"),
-        (dict(merge="mean"), "merge"),
+        (dict(boundary_router="mlp"), "boundary_router"),
+        (dict(concept_merge="mean"), "concept_merge"),
         (dict(noise_tau=-1.0), "noise_tau"),
         (dict(n_heads=4, n_kv_heads=3), "n_kv_heads"),
         (dict(concept_loop=0), "concept_loop"),
@@ -44,7 +47,7 @@ def test_presets_and_their_baselines_differ_only_in_chunking_and_reallocation():
     for name in ("tiny", "small"):
         cmoe, base = ConceptMoEConfig.from_preset(name), ConceptMoEConfig.from_preset(f"{name}-moe")
         assert cmoe.chunking == "dynamic" and cmoe.target_r == 2.0 and base.chunking == "none"
-        assert cmoe.concept_k > base.top_k  # strategy 1: the saved compute buys more active experts
+        assert cmoe.concept_top_k > base.top_k  # strategy 1: the saved compute buys more active experts
         for field in ("d_model", "num_experts", "expert_dim", "encoder_layers", "concept_layers", "vocab_size"):
             assert getattr(cmoe, field) == getattr(base, field)
 
@@ -92,7 +95,7 @@ def test_save_pretrained_round_trip_gives_identical_logits(tmp_path, preset, ext
 def test_router_starts_at_identity_by_default():
     model = ConceptMoEForCausalLM(ConceptMoEConfig.from_preset("tiny"))
     assert torch.equal(model.model.chunker.q_proj.weight, torch.eye(64))
-    random = ConceptMoEForCausalLM(ConceptMoEConfig.from_preset("tiny", router_init="random"))
+    random = ConceptMoEForCausalLM(ConceptMoEConfig.from_preset("tiny", boundary_router_init="random"))
     assert not torch.equal(random.model.chunker.q_proj.weight, torch.eye(64))
 
 
@@ -102,3 +105,61 @@ def test_moe_top_k_never_becomes_the_sampling_top_k(tmp_path):
     assert GenerationConfig.from_model_config(config).top_k != 2
     config.save_pretrained(tmp_path)
     assert ConceptMoEConfig.from_pretrained(tmp_path).top_k == 2
+
+
+CONCEPT_DEFAULTS = {"concept_top_k": "num_experts_per_tok", "concept_num_experts": "num_experts",
+                    "concept_d_model": "d_model", "concept_expert_dim": "expert_dim"}  # fmt: skip
+
+
+def _to_old_field_names(config_json, renames: dict) -> None:
+    """Rewrite a saved config.json as the first release wrote it: old field names, and a concept_* field that equals
+    its token-level value stored as null ("same as the tokens")."""
+    fields = json.loads(config_json.read_text())
+    for old, new in renames.items():
+        fields[old] = fields.pop(new)
+    for name, token_level in CONCEPT_DEFAULTS.items():
+        if fields[name] == fields[token_level]:
+            fields[name] = None
+    config_json.write_text(json.dumps(fields))
+
+
+def test_checkpoint_saved_with_the_old_field_names_loads_with_identical_logits(tmp_path):
+    model = ConceptMoEForCausalLM(
+        ConceptMoEConfig.from_preset("tiny", concept_merge="last", boundary_router="linear", moe_z_loss_weight=0.01)
+    ).eval()
+    model.save_pretrained(tmp_path)
+    _to_old_field_names(tmp_path / "config.json", RENAMED_FIELDS)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["merge"] == "last" and "concept_merge" not in saved and saved["concept_d_model"] is None
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    cfg = loaded.config
+    assert (cfg.concept_merge, cfg.boundary_router, cfg.moe_z_loss_weight) == ("last", "linear", 0.01)
+    assert cfg.concept_d_model == cfg.d_model and cfg.concept_top_k == model.config.concept_top_k
+    assert not any(hasattr(cfg, old) for old in RENAMED_FIELDS)
+    ids = torch.randint(0, 512, (2, 30))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, loaded(ids).logits)
+
+
+def test_old_and_new_name_together_is_a_one_line_error():
+    with pytest.raises(ValueError, match="'merge' was renamed to 'concept_merge'; pass only 'concept_merge'"):
+        ConceptMoEConfig.from_preset("tiny", merge="last", concept_merge="sum")
+
+
+def test_set_chunking_changes_every_config_object_and_validates():
+    model = ConceptMoEForCausalLM(ConceptMoEConfig.from_preset("tiny", boundary_router_init="random")).eval()
+    ids = torch.randint(0, 512, (1, 64))
+    model.set_chunking(chunking="fixed", target_r=4.0)
+    assert model.config.chunking == model.model.config.chunking == "fixed"
+    with torch.no_grad():
+        assert model(ids).chunk_stats["concepts"] == 16  # a boundary every 4 tokens, what the model now reads
+    with pytest.raises(ValueError, match="target_r"):
+        model.set_chunking(chunking="dynamic", target_r=1.0)  # Eq. 4 needs R > 1
+    assert model.config.chunking == "fixed" and model.config.target_r == 4.0  # a refused change changes nothing
+    with pytest.raises(ValueError, match="cannot be applied"):
+        model.set_chunking(chunking="none")
+    with pytest.raises(ValueError, match="not a chunking setting"):
+        model.set_chunking(d_model=32)
+    fixed_built = ConceptMoEForCausalLM(ConceptMoEConfig.from_preset("tiny", chunking="fixed"))
+    with pytest.raises(ValueError, match="cannot be applied"):
+        fixed_built.set_chunking(chunking="dynamic")  # no boundary router to run

@@ -1,5 +1,7 @@
 """Dechunk: the parallel EMA equals its sequential definition (Eq. 7-8); plug-back and STE (Eq. 9-10)."""
 
+# Shape suffixes (docs/paper.md §0): B batch rows, N tokens per row, D model width.
+
 import pytest
 import torch
 from naive_reference import ema_loop

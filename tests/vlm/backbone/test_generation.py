@@ -1,5 +1,7 @@
 """Incremental decoding and generate(): every step equals the full forward, caches hold what they should."""
 
+# Shape suffixes (docs/paper.md §0): B batch rows, N tokens per row.
+
 import random
 
 import pytest
@@ -14,8 +16,8 @@ VARIANTS = {
     "none": dict(chunking="none"),
     "fixed": dict(chunking="fixed", target_r=2.0),
     "dynamic-sum": dict(),
-    "dynamic-last": dict(merge="last"),
-    "linear-router": dict(router="linear"),
+    "dynamic-last": dict(concept_merge="last"),
+    "linear-router": dict(boundary_router="linear"),
     "looped": dict(concept_layers=3, concept_loop=2, concept_loop_layers=1, concept_top_k=3),
     "wide": dict(concept_d_model=96, concept_num_experts=4, concept_top_k=3),
 }
@@ -24,7 +26,8 @@ VARIANTS = {
 def make_lm(seed=0, **overrides):
     torch.manual_seed(seed)
     fields = dict(vocab_size=96, d_model=64, n_heads=4, n_kv_heads=2, encoder_layers=1, concept_layers=2,
-                  decoder_layers=2, joint_layers=1, router_init="random", qk_norm="head", pad_token_id=0)  # fmt: skip
+                  decoder_layers=2, joint_layers=1, boundary_router_init="random", qk_norm="head",
+                  pad_token_id=0)  # fmt: skip
     fields.update(overrides)
     return ConceptMoEForCausalLM(ConceptMoEConfig(**fields)).eval()
 
@@ -60,8 +63,8 @@ def test_stepwise_decoding_equals_the_full_forward(variant):
     real = mask.bool()
     assert torch.allclose(stepped[real], full.logits[real], atol=1e-4), (stepped - full.logits)[real].abs().max()
     # the concept cache holds one entry per boundary of the row (per token without chunking)
-    boundaries_B = full.chunk_stats["concepts"] if model.config.chunked else int(real.sum())
-    assert int(cache.concept_lengths().sum()) == boundaries_B
+    boundaries = full.chunk_stats["concepts"] if model.config.chunked else int(real.sum())
+    assert int(cache.concept_lengths().sum()) == boundaries
     if model.config.chunked:
         per_row = [model(input_ids=ids[i : i + 1, mask[i].bool()]).chunk_stats["concepts"] for i in range(3)]
         assert cache.concept_lengths().tolist() == per_row
@@ -135,7 +138,7 @@ def test_right_padded_prompts_are_refused_with_a_clear_error():
 # ----------------------------------------------------------------------------- the VLM
 @pytest.fixture()
 def processor(hf_tokenizer):
-    return VLMProcessor(hf_tokenizer, ImageProcessor(patch_size=16, max_patches=64, merge=2))
+    return VLMProcessor(hf_tokenizer, ImageProcessor(patch_size=16, max_patches=64, pixel_shuffle=2))
 
 
 def images(n, seed=0):
@@ -148,7 +151,8 @@ def images(n, seed=0):
 def test_vlm_stepwise_decoding_with_images_equals_the_full_forward(processor, modality_boundaries):
     torch.manual_seed(0)
     model = ConceptMoEVLM.from_preset("tiny", image_token_id=processor.image_token_id, max_patches=64,
-                                      router_init="random", modality_boundaries=modality_boundaries).eval()  # fmt: skip
+                                      boundary_router_init="random",
+                                      modality_boundaries=modality_boundaries).eval()  # fmt: skip
     imgs = images(3)
     prompts = ["<image> what colour is the shape?", "a short one", "two pictures <image> and <image>"]
     batch = processor(text=prompts, images=[imgs[:1], [], imgs[1:]], padding_side="left")
@@ -181,7 +185,7 @@ def test_vlm_stepwise_decoding_with_images_equals_the_full_forward(processor, mo
 def test_vlm_prompt_ending_on_an_image_closes_the_image_span(processor):
     torch.manual_seed(1)
     model = ConceptMoEVLM.from_preset("tiny", image_token_id=processor.image_token_id, max_patches=64,
-                                      router_init="random", modality_boundaries=True).eval()  # fmt: skip
+                                      boundary_router_init="random", modality_boundaries=True).eval()  # fmt: skip
     batch = processor(text=["look: <image>"], images=[images(1, seed=2)], padding_side="left")
     out = model(**batch, use_cache=True)
     assert out.chunk_stats["concepts_by_modality"][1] >= 1
@@ -196,7 +200,7 @@ def test_vlm_prompt_ending_on_an_image_closes_the_image_span(processor):
 
 @torch.no_grad()
 def test_beam_search_reorders_the_cache_like_recomputing_without_one():
-    model = make_lm(merge="last")
+    model = make_lm(concept_merge="last")
     ids, mask, _ = left_padded_batch([8, 5], total=8, seed=7)
     kwargs = dict(attention_mask=mask, max_new_tokens=6, num_beams=3, do_sample=False)
     assert torch.equal(model.generate(ids, **kwargs), model.generate(ids, use_cache=False, **kwargs))

@@ -1,5 +1,7 @@
 """Layouts and masks: documents, padding, positions."""
 
+# Shape suffixes (docs/paper.md §0): B batch rows, N tokens per row, 1 a singleton axis.
+
 import torch
 
 from vlm.backbone.layers import attention_mask, make_layout, positions_in_document

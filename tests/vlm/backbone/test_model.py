@@ -1,5 +1,7 @@
 """The whole backbone: causality, packing, padding, the `none` baseline, chunk statistics."""
 
+# Shape suffixes (docs/paper.md §0): B batch rows, N tokens per row.
+
 import pytest
 import torch
 from naive_reference import plain_moe_transformer_logits
@@ -17,8 +19,8 @@ MODES = [
 
 def tiny_model(chunking="dynamic", merge="sum", seed=0, **overrides):
     torch.manual_seed(seed)
-    overrides.setdefault("router_init", "random")  # random q/k: boundaries vary from token to token
-    config = ConceptMoEConfig.from_preset("tiny", chunking=chunking, merge=merge, **overrides)
+    overrides.setdefault("boundary_router_init", "random")  # random q/k: boundaries vary from token to token
+    config = ConceptMoEConfig.from_preset("tiny", chunking=chunking, concept_merge=merge, **overrides)
     return ConceptMoEForCausalLM(config).eval()
 
 
@@ -108,7 +110,7 @@ def test_chunk_stats_per_modality_add_up():
 
 
 def test_eval_forward_is_deterministic_and_train_forward_is_noisy():
-    model = tiny_model("dynamic", router_init="identity")
+    model = tiny_model("dynamic", boundary_router_init="identity")
     ids = torch.randint(0, 512, (4, 64))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, model(ids).logits)
@@ -130,7 +132,7 @@ def test_joint_zero_init_decoder_ignores_concept_in_attention():
 
 
 def test_loss_is_the_weighted_sum_of_its_terms():
-    model = tiny_model("dynamic", router_z_loss_weight=0.001)
+    model = tiny_model("dynamic", moe_z_loss_weight=0.001)
     ids = torch.randint(0, 512, (2, 32))
     model.train()
     torch.manual_seed(0)
@@ -140,7 +142,7 @@ def test_loss_is_the_weighted_sum_of_its_terms():
         aux["lm_loss"]
         + cfg.ratio_loss_weight * aux["ratio_loss"]
         + cfg.balance_loss_weight * aux["balance_loss"]
-        + cfg.router_z_loss_weight * aux["z_loss"]
+        + cfg.moe_z_loss_weight * aux["z_loss"]
     )
     assert torch.allclose(out.loss, expected)
     logits = out.logits[:, :-1].reshape(-1, cfg.vocab_size)
@@ -181,7 +183,7 @@ def test_batch_without_labels_or_tokens_gives_finite_loss():
 
 
 def test_forced_boundaries_close_concepts_without_splitting_documents():
-    model = tiny_model("dynamic", router_init="identity")
+    model = tiny_model("dynamic", boundary_router_init="identity")
     ids = torch.randint(0, 512, (1, 30))
     forced = torch.zeros(1, 30, dtype=torch.bool)
     forced[0, [4, 11, 12, 29]] = True

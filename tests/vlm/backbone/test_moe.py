@@ -1,5 +1,7 @@
 """MoE FFN: grouped dispatch equals the per-token definition; load-balancing and z losses."""
 
+# Shape suffixes (docs/paper.md §0): E experts.
+
 import pytest
 import torch
 from naive_reference import moe_per_token

@@ -20,6 +20,8 @@ def test_tiny_training_loss_falls_and_r_reaches_target():
     assert last < first - 1.5, (first, last)
     train_r = sum(h["r"] for h in history[-50:]) / 50
     assert abs(train_r - 2.0) <= 0.2, train_r
-    held_out = evaluate(model, packed_batches(corpus["eval"], tok, 256, 8, seed=0), max_batches=4)
-    assert abs(held_out["r"] - 2.0) <= 0.2, held_out
-    assert held_out["bits_per_token"] < 4.5  # a uniform guess over bytes is 8 bits
+    held_out = evaluate(model, packed_batches(corpus["eval"], tok, 256, 8, seed=0), n_batches=4)
+    assert abs(held_out["eval_r"] - 2.0) <= 0.2, held_out
+    assert held_out["eval_bits_per_token"] < 4.5  # a uniform guess over bytes is 8 bits
+    assert held_out["eval_r_text"] == held_out["eval_r"] and held_out["eval_r_image"] is None  # text only
+    assert model.training  # evaluate puts the model back in the mode it found it in

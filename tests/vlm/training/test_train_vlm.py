@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from vlm.training.build import build_model
 from vlm.training.config import ConfigError, load_config
-from vlm.training.loop import NonFiniteGuard, NonFiniteLossError, build_model, train_step
+from vlm.training.single_process import LocalEngine
+from vlm.training.step import NonFiniteGuard, NonFiniteLossError, train_step
 
 ROOT = Path(__file__).resolve().parents[3]
 VENV_BIN = Path(sys.executable).parent
@@ -89,40 +91,24 @@ def test_wrong_config_field_fails_at_start_with_one_line_error(tmp_path):
     assert load_config(str(TINY), ["train.lr=1e-3", "model.overrides={target_r: 1.5}"])["train"]["lr"] == 1e-3
 
 
-class _Engine:
-    """The slice of a DeepSpeed engine that ``train_step`` uses, over a plain model and optimiser."""
-
-    def __init__(self, model):
-        self.model, self.steps = model, 0
-        self.opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-
-    def __call__(self, **batch):
-        return self.model(**batch)
-
-    def backward(self, loss):
-        loss.backward()
-
-    def step(self):
-        self.opt.step()
-        self.opt.zero_grad()
-        self.steps += 1
-
-
 def test_nonfinite_loss_skips_step_counts_and_stops(shards):
-    config = load_config(str(TINY), [f"data.shards=[{shards / 'train'}]", "model.overrides={router_init: random}"])
+    config = load_config(
+        str(TINY), [f"data.shards=[{shards / 'train'}]", "model.overrides={boundary_router_init: random}"]
+    )
     model, processor = build_model(config)
     batch = dict(processor(text=["a red square on the left"], images=[[]], return_tensors="pt"))
     batch = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "modality_ids")}
     batch["labels"] = batch["input_ids"].clone()
-    engine, guard = _Engine(model), NonFiniteGuard(limit=3)
+    engine, guard = LocalEngine(model, lr=1e-2), NonFiniteGuard(limit=3)
     before = [p.detach().clone() for p in model.parameters()]
     poison = model.get_output_embeddings().register_forward_hook(lambda m, i, out: out * float("nan"))
     assert train_step(engine, [batch], guard, step=1) is None  # skipped: no backward, no optimiser step
-    assert engine.steps == 0 and guard.total == 1 and all(p.grad is None for p in model.parameters())
+    assert engine.global_steps == 0 and guard.total == 1 and all(p.grad is None for p in model.parameters())
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     poison.remove()
     stats = train_step(engine, [batch], guard, step=2)
-    assert stats is not None and engine.steps == 1 and guard.in_a_row == 0 and guard.total == 1
+    assert stats is not None and engine.global_steps == 1 and guard.in_a_row == 0 and guard.total == 1
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # this one did step
     model.get_output_embeddings().register_forward_hook(lambda m, i, out: out * float("inf"))
     assert train_step(engine, [batch], guard, step=3) is None
     assert train_step(engine, [batch], guard, step=4) is None
@@ -213,7 +199,7 @@ def test_init_from_a_text_checkpoint_or_a_vlm_checkpoint(shards, tmp_path):
 
     torch.manual_seed(3)
     text = ConceptMoEForCausalLM(ConceptMoEConfig.from_preset("tiny", vocab_size=len(load_tokenizer()),
-                                                              router_init="random"))  # fmt: skip
+                                                              boundary_router_init="random"))  # fmt: skip
     text.save_pretrained(tmp_path / "text")
     base = [f"data.shards=[{shards / 'train'}]", f"model.init_from={tmp_path / 'text'}"]
     config = load_config(str(TINY), base + ["model.overrides={target_r: 1.5}"])
