@@ -14,7 +14,7 @@ export HF_DATASETS_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv test demo demo-backbone bench lint format clean
+.PHONY: venv test demo instruct-long demo-backbone bench lint format clean
 
 venv: $(STAMP)
 
@@ -34,33 +34,47 @@ LINT := $(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/lint-impor
 test: venv
 	$(LINT) && $(BIN)/python -m pytest -q tests
 
-# The main job, end to end on CPU (~8 min on 2 cores): synthetic shards -> 2-process DeepSpeed training of the
-# `small` VLM -> HF export -> per-modality R report -> lmms-eval on the three local tasks (a few docs each, through
-# the conceptmoe plugin and the cached generate()) -> per-task R report.
+# The main job, end to end on CPU, as LLaVA trains: synthetic shards -> stage 1 (projector only, captions) ->
+# stage 2 (everything, conversations in the eval tasks' language + captions + text; loss on the answers) with
+# 2-process DeepSpeed -> HF exports -> per-modality R report -> lmms-eval on the four local tasks through the
+# conceptmoe plugin (chat template) -> per-task R report -> score table (score, chance, R per modality).
+# `make instruct-long` is the same recipe with a longer stage 2 (scripts/configs/stage2_long.yaml, ~60 min).
 DEMO_DATA := data/demo
 DEMO_RUN := runs/demo
-EVAL_TASKS := cmoe_longdoc,cmoe_niah,cmoe_refloc
+STAGE2 := scripts/configs/stage2.yaml
+INSTRUCT_SAMPLES := 1500
+EVAL_LIMIT := 24
+EVAL_TASKS := cmoe_sceneqa,cmoe_refloc,cmoe_niah,cmoe_longdoc
 # The task definitions plus their generated data (data/ is git-ignored), relative to the repository root.
 EVAL_DIR := eval/tasks
+DS := $(BIN)/deepspeed --num_gpus 2 scripts/train_vlm.py --deepspeed scripts/configs/zero2.json
 demo: venv
-	test -f $(DEMO_DATA)/train/manifest.json || $(BIN)/python scripts/make_shards.py \
-		--synthetic scenes,documents,needles,text --out $(DEMO_DATA) --num-samples 400 --seed 0
+	test -f $(DEMO_DATA)/captions/train/manifest.json || $(BIN)/python scripts/make_shards.py \
+		--synthetic scenes --out $(DEMO_DATA)/captions --num-samples 600 --seed 0
+	test -f $(DEMO_DATA)/instruct/train/manifest.json || $(BIN)/python scripts/make_shards.py \
+		--synthetic scenes_chat,documents_chat,needles_chat,scenes,text --out $(DEMO_DATA)/instruct \
+		--num-samples $(INSTRUCT_SAMPLES) --seed 0
 	rm -rf $(DEMO_RUN)
-	$(BIN)/deepspeed --num_gpus 2 scripts/train_vlm.py --config scripts/configs/small.yaml \
-		--deepspeed scripts/configs/zero2.json --out $(DEMO_RUN)
-	$(BIN)/python scripts/r_report.py $(DEMO_RUN)
-	test -f $(EVAL_DIR)/cmoe_refloc/data/test.jsonl || $(BIN)/python scripts/make_eval_data.py --out $(EVAL_DIR) \
-		--longdoc-pages 1,4 --longdoc-per-bucket 4 --niah-lengths short --refloc-n 32
-	$(BIN)/python -m lmms_eval --model conceptmoe --model_args pretrained=$(DEMO_RUN)/hf --tasks $(EVAL_TASKS) \
-		--include_path $(EVAL_DIR) --batch_size 4 --limit 8 --output_path $(DEMO_RUN)/eval --log_samples \
-		--verbosity DEBUG
+	$(DS) --config scripts/configs/stage1.yaml --out $(DEMO_RUN)/stage1
+	$(DS) --config $(STAGE2) --out $(DEMO_RUN)/stage2 --set model.init_from=$(DEMO_RUN)/stage1/hf
+	$(BIN)/python scripts/r_report.py $(DEMO_RUN)/stage2
+	test -f $(EVAL_DIR)/cmoe_sceneqa/data/test.jsonl || $(BIN)/python scripts/make_eval_data.py --out $(EVAL_DIR) \
+		--longdoc-pages 1,4 --longdoc-per-bucket 4 --niah-lengths short --refloc-n 32 --sceneqa-n 40
+	$(BIN)/python -m lmms_eval --model conceptmoe --model_args pretrained=$(DEMO_RUN)/stage2/hf \
+		--tasks $(EVAL_TASKS) --include_path $(EVAL_DIR) --batch_size 8 --limit $(EVAL_LIMIT) \
+		--output_path $(DEMO_RUN)/eval --log_samples --verbosity DEBUG
 	$(BIN)/python scripts/r_report.py $(DEMO_RUN)/eval
-	@echo "shards:        $(DEMO_DATA)/{train,eval} (manifest.json in each)"
-	@echo "metrics:       $(DEMO_RUN)/metrics.jsonl (TensorBoard: $(DEMO_RUN)/tb)"
-	@echo "checkpoints:   $(DEMO_RUN)/checkpoints (resume: add --resume auto)"
-	@echo "HF export:     $(DEMO_RUN)/hf (AutoModelForImageTextToText / VLMProcessor.from_pretrained)"
-	@echo "R report:      $(DEMO_RUN)/r_report.json, $(DEMO_RUN)/r_report.png"
-	@echo "lmms-eval:     $(DEMO_RUN)/eval (results, samples, r_stats_<task>.jsonl; R per task: r_report.json / .png)"
+	$(BIN)/python scripts/score_table.py $(DEMO_RUN)/eval --tasks-dir $(EVAL_DIR)
+	@echo "shards:        $(DEMO_DATA)/{captions,instruct}/{train,eval} (manifest.json in each)"
+	@echo "metrics:       $(DEMO_RUN)/stage{1,2}/metrics.jsonl (TensorBoard: tb/ beside them)"
+	@echo "HF exports:    $(DEMO_RUN)/stage{1,2}/hf (AutoProcessor / AutoModelForImageTextToText, pipeline)"
+	@echo "R report:      $(DEMO_RUN)/stage2/r_report.json, .png"
+	@echo "lmms-eval:     $(DEMO_RUN)/eval (results, samples, R per task: r_report.json / .png)"
+	@echo "scores:        $(DEMO_RUN)/eval/score_table.md (score, chance, eval-mode R total / text / image)"
+
+instruct-long:
+	$(MAKE) demo DEMO_RUN=runs/instruct-long STAGE2=scripts/configs/stage2_long.yaml INSTRUCT_SAMPLES=4000 \
+		DEMO_DATA=data/instruct-long EVAL_LIMIT=200
 
 # The backbone alone: ConceptMoE vs its matched MoE on local text (~2 min).
 demo-backbone: venv

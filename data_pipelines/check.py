@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("shards", nargs="+", help="shard paths, brace patterns, globs or folders")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--tokenizer", help="HF tokenizer folder (default: the package's tokenizer)")
-    parser.add_argument("--image-processor", help="folder with image_processor_config.json (default: defaults)")
+    parser.add_argument("--image-processor", help="image processor folder, e.g. an export (default: defaults)")
     parser.add_argument("--seq-len", type=int, default=1024, help="row length of training (for too_long)")
     parser.add_argument("--max-image-pixels", type=int, default=MAX_IMAGE_PIXELS)
     parser.add_argument("--split-documents", action="store_true", help="as make_dataloader(split_documents=True)")

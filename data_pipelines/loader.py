@@ -42,7 +42,7 @@ from itertools import islice
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from data_pipelines.packing import Packer, TokenEncoder, collate_rows, encode_sample_tokens
+from data_pipelines.packing import LOSS_ON, Packer, TokenEncoder, collate_rows, encode_sample_tokens
 from data_pipelines.schema import MAX_IMAGE_PIXELS, SKIP_KINDS, SkipSample, decode_sample
 from data_pipelines.tar_reader import TruncatedTar, expand_shards, read_tar_groups
 from vision_tower import ImageProcessor
@@ -146,7 +146,7 @@ class _WorkerStream:
             try:
                 doc = encode_sample_tokens(
                     decode_sample(group), cfg["encoder"], cfg["image_processor"], cfg["image_token_id"],
-                    cfg["max_image_pixels"],
+                    cfg["max_image_pixels"], cfg["loss_on"],
                 )  # fmt: skip
                 if not packer.fits(doc):
                     raise SkipSample("too_long", f"{doc.key}: {len(doc)} tokens, rows hold {cfg['seq_len']}")
@@ -258,7 +258,7 @@ class ShardLoader:
 
     def _fingerprint(self) -> dict:
         keys = ("seed", "rank", "world_size", "num_workers", "seq_len", "batch_size", "shuffle", "shuffle_buffer",
-                "split_documents", "image_token_id")  # fmt: skip
+                "split_documents", "image_token_id", "loss_on")  # fmt: skip
         shards = hashlib.sha256("\n".join(self.cfg["shards"]).encode()).hexdigest()[:16]
         return {**{k: self.cfg[k] for k in keys}, "shards": shards}
 
@@ -312,6 +312,7 @@ def make_dataloader(
     shuffle: bool = True,
     split_documents: bool = False,
     pin_memory: bool = False,
+    loss_on: str = "auto",
 ) -> ShardLoader:
     """Packed ``[batch_size, seq_len]`` batches from webdataset shards (paths, brace patterns, globs, folders).
 
@@ -320,6 +321,7 @@ def make_dataloader(
     ``epochs=None`` streams forever; with ``epochs=k`` the last batch may hold fewer rows. ``image_token_id``
     defaults to the tokenizer's ``<image>`` (added as a special token when missing, as ``VLMProcessor`` does).
     ``split_documents``: see ``data_pipelines.packing``. ``shuffle=False`` reads shards and samples in order.
+    ``loss_on`` (``packing.LOSS_ON``): ``auto`` labels the assistant turns of conversations and all text elsewhere.
     """
     for name, value, low in (("seq_len", seq_len, 2), ("batch_size", batch_size, 1), ("world_size", world_size, 1),
                              ("num_workers", num_workers, 0), ("max_image_pixels", max_image_pixels, 1),
@@ -328,6 +330,8 @@ def make_dataloader(
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank!r}")
+    if loss_on not in LOSS_ON:
+        raise ValueError(f"loss_on={loss_on!r} is invalid: allowed values are {LOSS_ON}")
     if epochs is not None and epochs < 1:
         raise ValueError(f"epochs must be None (forever) or >= 1, got {epochs!r}")
     encoder = tokenizer if isinstance(tokenizer, TokenEncoder) else TokenEncoder(tokenizer)
@@ -339,7 +343,7 @@ def make_dataloader(
         shards=expand_shards(shards), encoder=encoder, image_processor=image_processor or ImageProcessor(),
         image_token_id=image_token_id, seq_len=seq_len, batch_size=batch_size, rank=rank, world_size=world_size,
         num_workers=num_workers, seed=seed, shuffle=shuffle, shuffle_buffer=shuffle_buffer, epochs=epochs,
-        max_image_pixels=max_image_pixels, split_documents=split_documents,
+        max_image_pixels=max_image_pixels, split_documents=split_documents, loss_on=loss_on,
     )  # fmt: skip
     return ShardLoader(cfg, pin_memory=pin_memory)
 

@@ -4,11 +4,14 @@
     python scripts/make_shards.py --from-jsonl docs.jsonl --out data/docs --eval-fraction 0.05
     python scripts/make_shards.py --from-dir img2dataset_out/ --out data/pairs
     python scripts/make_shards.py --from-text notes/*.txt --text-unit paragraph --out data/notes --tokenizer tok/
+    python scripts/make_shards.py --from-llava llava_v1_5_mix665k.json --image-root llava_images/ --out data/sft
+    python scripts/make_shards.py --from-messages chats.jsonl --out data/chats
 
 Synthetic: ``--num-samples`` per kind for train and ``--eval-samples`` (default a tenth) per kind for eval, the
 kinds interleaved round-robin. Sources: one pass, each sample goes to eval when a hash of its key falls under
-``--eval-fraction`` (default 0: train only, no eval folder). Writes ``OUT/<split>/*.tar`` + ``manifest.json`` and
-prints one summary line per split.
+``--eval-fraction`` (default 0: train only, no eval folder); ``--from-llava`` / ``--from-messages`` write
+conversations, their image paths relative to ``--image-root`` (default: the file's folder). Writes
+``OUT/<split>/*.tar`` + ``manifest.json`` and prints one summary line per split.
 """
 
 from __future__ import annotations
@@ -111,12 +114,17 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--from-jsonl", nargs="+", metavar="FILE", help="JSONL files of interleaved documents")
     src.add_argument("--from-dir", metavar="DIR", help="a folder of *.jsonl documents or img2dataset pairs")
     src.add_argument("--from-text", nargs="+", metavar="FILE", help="plain-text files")
+    src.add_argument("--from-llava", metavar="FILE", help="LLaVA instruction data (JSON list or JSONL)")
+    src.add_argument("--from-messages", metavar="FILE", help="HF / OpenAI chat messages (JSONL or JSON list)")
     parser.add_argument("--out", required=True, help="output folder: OUT/train, OUT/eval")
     parser.add_argument("--num-samples", type=int, help="synthetic: train samples per kind")
     parser.add_argument("--eval-samples", type=int, help="synthetic: eval samples per kind (default: a tenth)")
     parser.add_argument("--seed", type=int, default=0, help="synthetic: generator seed (default 0)")
     parser.add_argument("--eval-fraction", type=float, default=0.0, help="sources: share of keys sent to eval")
     parser.add_argument("--text-unit", choices=("file", "paragraph"), default="file", help="--from-text samples")
+    parser.add_argument(
+        "--image-root", metavar="DIR", help="--from-llava / --from-messages: image paths' folder (default: FILE's)"
+    )
     parser.add_argument("--max-count", type=int, default=1000, help="samples per shard at most (default 1000)")
     parser.add_argument("--max-size", type=int, default=64 * 2**20, help="bytes per shard, about (default 64 MiB)")
     parser.add_argument("--tokenizer", metavar="DIR", help="HF tokenizer folder: text token counts in manifests")
@@ -127,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.image_root is not None and not (args.from_llava or args.from_messages):
+        parser.error("--image-root goes with --from-llava or --from-messages")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     tokenizer = None
     if args.tokenizer:
@@ -146,6 +156,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 source, samples = {"type": "jsonl", "paths": args.from_jsonl}, _chain_jsonl(args.from_jsonl, stats)
             elif args.from_dir:
                 source, samples = {"type": "dir", "path": args.from_dir}, sources.from_dir(args.from_dir, stats)
+            elif args.from_llava or args.from_messages:
+                kind, path = ("llava", args.from_llava) if args.from_llava else ("messages", args.from_messages)
+                read = sources.from_llava if args.from_llava else sources.from_messages
+                source = {"type": kind, "path": path, "image_root": args.image_root}
+                samples = read(path, args.image_root, stats)
             else:
                 source = {"type": "text", "paths": args.from_text, "unit": args.text_unit}
                 samples = sources.from_text(args.from_text, stats, unit=args.text_unit)

@@ -27,9 +27,13 @@ from dataclasses import dataclass, field
 import torch
 
 from data_pipelines.schema import MAX_IMAGE_PIXELS, Modality, Sample, SkipSample, open_image
-from data_pipelines.tokenizer import special_affixes
+from data_pipelines.tokenizer import CHAT_TOKENS, END_OF_TURN, ROLE_TOKENS, special_affixes
 
 IGNORE = -100
+# What the loss covers (``labels``): ``auto`` the assistant turns of a conversation and every text token of any other
+# sample; ``all`` every text token of every sample (role headers too); ``assistant`` the assistant turns only (other
+# samples add context but no loss).
+LOSS_ON = ("auto", "all", "assistant")
 
 
 class TokenEncoder:
@@ -61,6 +65,19 @@ class TokenEncoder:
                 self._split_special = False
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    def chat_ids(self) -> dict[str, int]:
+        """Ids of the chat template's special tokens (``data_pipelines.chat``); the tokenizer must have them."""
+        if not hasattr(self, "_chat_ids"):
+            vocab = self.tokenizer.get_vocab() if self.hf else {}
+            missing = [t for t in CHAT_TOKENS if t not in vocab]
+            if missing:
+                raise ValueError(
+                    f"the tokenizer has no {missing}: conversations need the chat tokens (data_pipelines.chat; "
+                    "VLMProcessor adds them, and the shipped tokenizer has them)"
+                )
+            self._chat_ids = {t: vocab[t] for t in CHAT_TOKENS}
+        return self._chat_ids
+
     def closing(self) -> list[int]:
         """What ends a document: the tokenizer's suffix, then eos unless the suffix already ends with it."""
         tail = list(self.suffix)
@@ -77,6 +94,11 @@ class EncodedDoc:
     images: list  # decoded PIL images, in document order
     num_tokens: list[int]  # slots of each image
     image_starts: list[int]  # position of each image's first slot
+    targets: list[bool] | None = None  # where the loss is (labels = ids there, -100 elsewhere); None: every text token
+
+    def __post_init__(self):
+        if self.targets is None:
+            self.targets = [m == Modality.TEXT for m in self.modality_ids]
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -86,35 +108,94 @@ class EncodedDoc:
         return len(self.input_ids) - sum(self.num_tokens)
 
 
+class _DocBuilder:
+    """Accumulates one token document: ids, modality, loss targets, images and where their slots start."""
+
+    def __init__(self, key: str, image_processor, image_token_id: int, max_image_pixels: int):
+        self.key, self.image_processor, self.image_token_id = key, image_processor, image_token_id
+        self.max_image_pixels = max_image_pixels
+        self.ids, self.modality, self.targets = [], [], []
+        self.images, self.num_tokens, self.starts = [], [], []
+
+    def text(self, ids: list[int], target: bool) -> None:
+        self.ids += ids
+        self.modality += [Modality.TEXT] * len(ids)
+        self.targets += [target] * len(ids)
+
+    def image(self, data: bytes) -> None:
+        image = open_image(data, self.max_image_pixels)
+        try:
+            n = self.image_processor.num_tokens_for(image)
+        except Exception as err:  # an image PIL opens but the processor rejects (e.g. 0 x N)
+            raise SkipSample("bad_image", f"{self.key}: {type(err).__name__}: {err}") from None
+        self.images.append(image)
+        self.num_tokens.append(n)
+        self.starts.append(len(self.ids))
+        self.ids += [self.image_token_id] * n
+        self.modality += [Modality.IMAGE] * n
+        self.targets += [False] * n
+
+    def segments(self, segments, enc: TokenEncoder, target: bool) -> None:
+        for seg in segments:
+            if seg.image is None:
+                self.text(enc.text_ids(seg.text), target)
+            else:
+                self.image(seg.image)
+
+    def done(self) -> EncodedDoc:
+        return EncodedDoc(self.key, self.ids, self.modality, self.images, self.num_tokens, self.starts, self.targets)
+
+
 def encode_sample_tokens(
-    sample: Sample, tokenizer, image_processor, image_token_id: int, max_image_pixels: int = MAX_IMAGE_PIXELS
+    sample: Sample,
+    tokenizer,
+    image_processor,
+    image_token_id: int,
+    max_image_pixels: int = MAX_IMAGE_PIXELS,
+    loss_on: str = "auto",
 ) -> EncodedDoc:
     """One decoded sample -> its token document. Raises SkipSample (bad_image / image_too_large).
 
     ``tokenizer`` is an HF tokenizer or a :class:`TokenEncoder` (faster: affixes computed once). Slot counts come
-    from the image size alone (``image_processor.num_tokens_for``); pixels are patchified at collation.
+    from the image size alone (``image_processor.num_tokens_for``); pixels are patchified at collation. A
+    conversation goes through :func:`encode_conversation`; ``loss_on`` (``LOSS_ON``) sets the loss targets.
     """
+    if loss_on not in LOSS_ON:
+        raise ValueError(f"loss_on={loss_on!r} is invalid: allowed values are {LOSS_ON}")
     enc = tokenizer if isinstance(tokenizer, TokenEncoder) else TokenEncoder(tokenizer)
-    ids, images, num_tokens, starts = list(enc.prefix), [], [], []
-    modality = [Modality.TEXT] * len(ids)
-    for seg in sample.segments:
-        if seg.image is None:
-            piece = enc.text_ids(seg.text)
-            ids += piece
-            modality += [Modality.TEXT] * len(piece)
-            continue
-        image = open_image(seg.image, max_image_pixels)
-        try:
-            n = image_processor.num_tokens_for(image)
-        except Exception as err:  # an image PIL opens but the processor rejects (e.g. 0 x N)
-            raise SkipSample("bad_image", f"{sample.key}: {type(err).__name__}: {err}") from None
-        images.append(image)
-        num_tokens.append(n)
-        starts.append(len(ids))
-        ids += [image_token_id] * n
-        modality += [Modality.IMAGE] * n
-    tail = enc.closing()
-    return EncodedDoc(sample.key, ids + tail, modality + [Modality.TEXT] * len(tail), images, num_tokens, starts)
+    if sample.is_conversation:
+        return encode_conversation(sample, enc, image_processor, image_token_id, max_image_pixels, loss_on)
+    doc = _DocBuilder(sample.key, image_processor, image_token_id, max_image_pixels)
+    target = loss_on != "assistant"
+    doc.text(list(enc.prefix), target)
+    doc.segments(sample.segments, enc, target)
+    doc.text(enc.closing(), target)
+    return doc.done()
+
+
+def encode_conversation(
+    sample: Sample,
+    enc: TokenEncoder,
+    image_processor,
+    image_token_id: int,
+    max_image_pixels: int = MAX_IMAGE_PIXELS,
+    loss_on: str = "auto",
+) -> EncodedDoc:
+    """A conversation through the chat template (``data_pipelines.chat``): per turn its role token, its content,
+    ``<|end|>``; the same ids ``VLMProcessor`` gives the rendered conversation. Targets: with ``auto`` /
+    ``assistant`` the content of the assistant turns and their ``<|end|>`` only (not system or user text, not image
+    slots, not role tokens); with ``all`` every text token."""
+    chat = enc.chat_ids()
+    everything = loss_on == "all"
+    doc = _DocBuilder(sample.key, image_processor, image_token_id, max_image_pixels)
+    doc.text(list(enc.prefix), everything)
+    for turn in sample.turns:
+        answer = everything or turn.role == "assistant"
+        doc.text([chat[ROLE_TOKENS[turn.role]]], everything)
+        doc.segments(turn.segments, enc, answer)
+        doc.text([chat[END_OF_TURN]], answer)
+    doc.text(enc.closing(), everything)
+    return doc.done()
 
 
 @dataclass
@@ -137,8 +218,8 @@ class Row:
         return len(self.input_ids)
 
     def place(self, doc: EncodedDoc, start: int, stop: int) -> None:
-        ids, mods = doc.input_ids[start:stop], doc.modality_ids[start:stop]
-        self.labels += [IGNORE] + [IGNORE if m == Modality.IMAGE else t for t, m in zip(ids[1:], mods[1:])]
+        ids, mods, targets = doc.input_ids[start:stop], doc.modality_ids[start:stop], doc.targets[start:stop]
+        self.labels += [IGNORE] + [t if on else IGNORE for t, on in zip(ids[1:], targets[1:])]
         self.input_ids += ids
         self.modality_ids += mods
         self.doc_ids += [self.pieces] * len(ids)

@@ -22,7 +22,12 @@ from dataclasses import dataclass, field
 from PIL import Image
 
 IMAGE_EXTS = ("png", "jpg", "jpeg", "webp")
-SKIP_KINDS = ("truncated_tar", "bad_image", "bad_json", "image_too_large", "too_long", "missing_field")
+SKIP_KINDS = (
+    "truncated_tar", "bad_image", "bad_json", "image_too_large", "too_long", "missing_field",
+    # conversations (``check_conversation``)
+    "unknown_role", "bad_turn_order", "image_count_mismatch", "missing_image", "empty_answer",
+)  # fmt: skip
+ROLES = ("system", "user", "assistant")
 MAX_IMAGE_PIXELS = 64_000_000  # above this an image is skipped as image_too_large (decompression-bomb guard)
 
 
@@ -51,15 +56,55 @@ class Segment:
 
 
 @dataclass
+class Turn:
+    """One turn of a conversation: who speaks (``ROLES``) and what, text and images in order."""
+
+    role: str
+    segments: list[Segment]
+
+
+@dataclass
 class Sample:
+    """A caption / interleaved document / plain text (``segments``), or a conversation (``turns``; ``segments``
+    then empty)."""
+
     key: str
     segments: list[Segment]
     meta: dict = field(default_factory=dict)
     qa: list[dict] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+
+    @property
+    def is_conversation(self) -> bool:
+        return bool(self.turns)
+
+    @property
+    def all_segments(self) -> list[Segment]:
+        """Every segment in order: the turns' for a conversation."""
+        return [seg for turn in self.turns for seg in turn.segments] if self.turns else list(self.segments)
 
     @property
     def num_images(self) -> int:
-        return sum(s.image is not None for s in self.segments)
+        return sum(s.image is not None for s in self.all_segments)
+
+
+def check_conversation(turns: list[Turn], key: str = "?") -> None:
+    """Raise :class:`SkipSample` unless ``turns`` is a usable conversation: roles from ``ROLES``; an optional
+    ``system`` turn first, then ``user`` and ``assistant`` alternating, starting with ``user`` and ending with
+    ``assistant``; no empty assistant turn."""
+    if not turns:
+        raise SkipSample("bad_turn_order", f"{key}: a conversation without turns")
+    for turn in turns:
+        if turn.role not in ROLES:
+            raise SkipSample("unknown_role", f"{key}: role {turn.role!r} is not one of {ROLES}")
+    roles = [t.role for t in turns]
+    body = roles[1:] if roles[0] == "system" else roles
+    expected = ["user", "assistant"] * (len(body) // 2)
+    if not body or body != expected or len(body) % 2:
+        raise SkipSample("bad_turn_order", f"{key}: turns {roles} do not alternate user / assistant ending with one")
+    for turn in turns:
+        if turn.role == "assistant" and not any(s.image is not None or (s.text or "").strip() for s in turn.segments):
+            raise SkipSample("empty_answer", f"{key}: an assistant turn is empty")
 
 
 SampleSchema = Sample  # alias: the schema's in-memory form, exported under this name by ``data_pipelines``
@@ -73,15 +118,22 @@ def image_bytes(img: Image.Image, ext: str = "png") -> bytes:
 
 def encode_sample(sample: Sample) -> dict:
     """A dict for ``webdataset.ShardWriter.write``: ``__key__``, ``json`` and one entry per image."""
-    segments, members = [], {}
-    for seg in sample.segments:
-        if seg.image is not None:
-            name = f"img{len(members)}.{seg.image_ext}"
-            members[name] = seg.image
-            segments.append({"image": name})
-        else:
-            segments.append({"text": seg.text})
-    doc = {"segments": segments, "meta": sample.meta}
+    members = {}
+
+    def entries(segs: list[Segment]) -> list[dict]:
+        out = []
+        for seg in segs:
+            if seg.image is not None:
+                name = f"img{len(members)}.{seg.image_ext}"
+                members[name] = seg.image
+                out.append({"image": name})
+            else:
+                out.append({"text": seg.text})
+        return out
+
+    doc = {"segments": entries(sample.segments), "meta": sample.meta}
+    if sample.turns:
+        doc["turns"] = [{"role": t.role, "segments": entries(t.segments)} for t in sample.turns]
     if sample.qa:
         doc["qa"] = sample.qa
     return {"__key__": sample.key, "json": json.dumps(doc, ensure_ascii=False).encode(), **members}
@@ -113,25 +165,45 @@ def decode_sample(raw: dict) -> Sample:
             doc = json.loads(raw["json"])
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
             raise SkipSample("bad_json", f"{key}: {err}") from None
-        if not isinstance(doc, dict) or not isinstance(doc.get("segments"), list):
-            raise SkipSample("missing_field", f"{key}: no 'segments' list")
-        segments = []
-        for seg in doc["segments"]:
-            if isinstance(seg, dict) and isinstance(seg.get("text"), str):
-                segments.append(Segment(text=seg["text"]))
-            elif isinstance(seg, dict) and isinstance(seg.get("image"), str):
-                name = seg["image"]
-                if name not in raw:
-                    raise SkipSample("missing_field", f"{key}: image member {name!r} not in the shard")
-                segments.append(Segment(image=raw[name], image_ext=name.rsplit(".", 1)[-1]))
-            else:
-                raise SkipSample("missing_field", f"{key}: a segment is neither text nor image: {seg!r:.60}")
-        return Sample(key=key, segments=segments, meta=doc.get("meta") or {}, qa=doc.get("qa") or [])
+        if not isinstance(doc, dict) or not isinstance(doc.get("segments", []), list):
+            raise SkipSample("missing_field", f"{key}: 'segments' is not a list")
+        if "segments" not in doc and "turns" not in doc:
+            raise SkipSample("missing_field", f"{key}: no 'segments' or 'turns' list")
+        segments = _segments(doc.get("segments", []), raw, key)
+        turns = _turns(doc["turns"], raw, key) if "turns" in doc else []
+        return Sample(key=key, segments=segments, meta=doc.get("meta") or {}, qa=doc.get("qa") or [], turns=turns)
     if any(ext in raw for ext in IMAGE_EXTS):
         return _img2dataset(raw, key)
     if "txt" in raw:
         return Sample(key=key, segments=[Segment(text=_text(raw["txt"], key))])
     raise SkipSample("missing_field", f"{key}: no json, image or txt member (has {sorted(raw)})")
+
+
+def _segments(entries, raw: dict, key: str) -> list[Segment]:
+    segments = []
+    for seg in entries:
+        if isinstance(seg, dict) and isinstance(seg.get("text"), str):
+            segments.append(Segment(text=seg["text"]))
+        elif isinstance(seg, dict) and isinstance(seg.get("image"), str):
+            name = seg["image"]
+            if name not in raw:
+                raise SkipSample("missing_image", f"{key}: image member {name!r} not in the shard")
+            segments.append(Segment(image=raw[name], image_ext=name.rsplit(".", 1)[-1]))
+        else:
+            raise SkipSample("missing_field", f"{key}: a segment is neither text nor image: {seg!r:.60}")
+    return segments
+
+
+def _turns(entries, raw: dict, key: str) -> list[Turn]:
+    if not isinstance(entries, list) or not all(isinstance(t, dict) for t in entries):
+        raise SkipSample("missing_field", f"{key}: 'turns' is not a list of objects")
+    turns = []
+    for t in entries:
+        if not isinstance(t.get("segments"), list):
+            raise SkipSample("missing_field", f"{key}: a turn has no 'segments' list")
+        turns.append(Turn(role=str(t.get("role")), segments=_segments(t["segments"], raw, key)))
+    check_conversation(turns, key)
+    return turns
 
 
 def _text(data: bytes, key: str) -> str:

@@ -42,6 +42,11 @@ logger = logging.getLogger(__name__)
 
 PAD, EOS, UNK, BOS, IMAGE_TOKEN = "<pad>", "<eos>", "<unk>", "<bos>", "<image>"
 SPECIAL_TOKENS = (PAD, EOS, UNK, BOS, IMAGE_TOKEN)  # this order fixes their ids 0..4
+# The chat template's role headers and end of turn (``data_pipelines.chat``): special tokens added after the BPE
+# vocabulary (ids vocab_size .. vocab_size + 3), so adding them left every earlier id as it was.
+ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
+END_OF_TURN = "<|end|>"
+CHAT_TOKENS = (*ROLE_TOKENS.values(), END_OF_TURN)
 DEFAULT_VOCAB_SIZE = 8192
 DEFAULT_TOKENIZER_DIR = Path(__file__).resolve().parent / "assets" / "tokenizer"
 BUILD_INFO_FILE = "BUILD_INFO.json"
@@ -72,7 +77,7 @@ def wrap_tokenizer(fast: PreTrainedTokenizerFast) -> PreTrainedTokenizerFast:
         eos_token=EOS,
         unk_token=UNK,
         bos_token=BOS,
-        extra_special_tokens=[IMAGE_TOKEN],
+        extra_special_tokens=[IMAGE_TOKEN, *CHAT_TOKENS],
         clean_up_tokenization_spaces=False,  # decode must give the text back as it was
     )
 
@@ -98,7 +103,7 @@ def build_info(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> dict:
         "tokenizers": tokenizers.__version__,
         "transformers": transformers.__version__,
         "vocab_size": vocab_size,
-        "special_tokens": {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS},
+        "special_tokens": {t: tokenizer.convert_tokens_to_ids(t) for t in (*SPECIAL_TOKENS, *CHAT_TOKENS)},
         "corpus": {
             "source": "data_pipelines.local_text.load_local_text_corpus() (stdlib docstrings), train split",
             "train_docs": len(corpus["train"]),

@@ -13,8 +13,8 @@ The manifest::
      ...manifest_extra (generator, seed, source skips, ...)}
 
 Shard names and ``brace`` are relative to the manifest's folder. ``text_chars`` / ``text_tokens`` count the text
-*segments* only (not ``qa`` or ``meta``); tokens are counted without special tokens. Tar members carry mtime 0, so
-the same samples give byte-identical shards.
+*segments* only (a conversation's: its turns'; not ``qa`` or ``meta``); tokens are counted without special
+tokens. Tar members carry mtime 0, so the same samples give byte-identical shards.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class TokenCounter:
 def _check_sample(sample: Sample) -> None:
     if not isinstance(sample.key, str) or not _SAFE_NAME.match(sample.key):
         raise ValueError(f"sample key {sample.key!r} must be non-empty and use only letters, digits, '_' and '-'")
-    for i, seg in enumerate(sample.segments):
+    for i, seg in enumerate(sample.all_segments):  # a conversation's: its turns'
         if (seg.text is None) == (seg.image is None):
             raise ValueError(f"sample {sample.key!r} segment {i}: exactly one of text / image must be set")
         if seg.image is not None and (seg.image_ext not in IMAGE_EXTS or not seg.image):
@@ -125,7 +125,7 @@ class SplitWriter:
         self._shard_samples[-1] += 1
         self.samples += 1
         self.images += sample.num_images
-        for seg in sample.segments:
+        for seg in sample.all_segments:
             if seg.text is not None:
                 self.text_chars += len(seg.text)
                 if self.count_tokens is not None:

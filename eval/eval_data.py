@@ -20,8 +20,13 @@ training shards use the ``"train"`` split. Deterministic: the same seed gives by
   samples of a bucket cover the depth x modality grid.
 - ``cmoe_refloc``: ``scenes``; one referring expression per scene that names exactly one object, and its
   normalised ``[x1, y1, x2, y2]`` box.
+- ``cmoe_sceneqa``: ``scenes``; per scene one doc per question type among ``SCENEQA_TYPES`` that the scene's
+  ``qa`` has (count always; colour / shape when the asked object is the only one of its shape / colour; position),
+  question and answer as ``scenes.questions`` gives them (of the two count questions, one drawn per scene).
 
 Buckets are interleaved (bucket 0 sample 0, bucket 1 sample 0, ...), so ``--limit k`` sees every bucket early.
+Each manifest also holds the task's chance levels (``chance``: metric -> the score of the best constant answer,
+``chance_constant``: that answer; see ``eval.chance``), computed from the written ``test.jsonl``.
 """
 
 from __future__ import annotations
@@ -33,9 +38,11 @@ import shutil
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from data_pipelines.prompts import SCENEQA_TYPES
 from data_pipelines.synthetic import documents, needles, scenes
+from eval import chance, metrics
 
-TASKS = ("cmoe_longdoc", "cmoe_niah", "cmoe_refloc")
+TASKS = ("cmoe_longdoc", "cmoe_niah", "cmoe_refloc", "cmoe_sceneqa")
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"  # the shipped task definitions (read, never written)
 DEFAULT_OUT = Path("eval") / "tasks"  # where the data goes by default: relative to the current directory
 LONGDOC_PAGES = (1, 2, 4, 8, 16, 32)  # page counts the task reports ANLS / EM for
@@ -140,22 +147,6 @@ def niah_rows(n_per_bucket: int, seed: int, lengths: Sequence[str], images_dir: 
     return _interleave([bucket(list(NIAH_LENGTHS).index(name), name) for name in lengths])
 
 
-def referring_expression(rng: random.Random, target: dict, objects: list[dict]) -> tuple[str, str]:
-    """(expression, kind) naming ``target`` and no other object of the scene."""
-    unique = lambda **kv: sum(all(o[k] == v for k, v in kv.items()) for o in objects) == 1
-    options = [(f"{target['colour']} {target['shape']}", "colour+shape")]
-    if unique(shape=target["shape"]):
-        options.append((target["shape"], "shape"))
-    if unique(colour=target["colour"]):
-        options.append((f"{target['colour']} object", "colour"))
-    if unique(size=target["size"], shape=target["shape"]):
-        options.append((f"{target['size']} {target['shape']}", "size+shape"))
-    if unique(position=target["position"]):
-        where = "in the center" if target["position"] == "center" else f"at the {target['position']}"
-        options.append((f"{target['shape']} {where}", "shape+position"))
-    return rng.choice(options)
-
-
 def refloc_rows(n: int, seed: int, images_dir: Path) -> Iterator[dict]:
     """Docs of ``cmoe_refloc``: one scene and one referring expression each."""
     gen_seed = _bucket_seed(seed, 2, 0)
@@ -163,7 +154,7 @@ def refloc_rows(n: int, seed: int, images_dir: Path) -> Iterator[dict]:
         rng = random.Random(f"refloc/{gen_seed}/{i}")
         meta = sample.meta
         target = rng.choice(meta["objects"])
-        expression, kind = referring_expression(rng, target, meta["objects"])
+        expression, kind = scenes.referring_expression(rng, target, meta["objects"])
         doc_id = f"refloc-{i:05d}"
         yield {
             "id": doc_id,
@@ -178,21 +169,90 @@ def refloc_rows(n: int, seed: int, images_dir: Path) -> Iterator[dict]:
         }
 
 
+def sceneqa_rows(n: int, seed: int, images_dir: Path) -> Iterator[dict]:
+    """Docs of ``cmoe_sceneqa``: per scene, one question of each type in ``SCENEQA_TYPES`` its ``qa`` holds, in
+    that order (the image written once per scene)."""
+    gen_seed = _bucket_seed(seed, 3, 0)
+    for i, sample in enumerate(scenes.generate(n, gen_seed, SPLIT)):
+        rng = random.Random(f"sceneqa/{gen_seed}/{i}")
+        meta = sample.meta
+        image = _save_image(sample.segments[0].image, images_dir, f"sceneqa-{i:05d}.png")
+        for qtype in SCENEQA_TYPES:
+            items = [qa for qa in sample.qa if qa["type"] == qtype]
+            if not items:
+                continue
+            qa = rng.choice(items)
+            yield {
+                "id": f"sceneqa-{i:05d}-{qtype}",
+                "key": sample.key,
+                "group": qtype,
+                "type": qtype,
+                "image": image,
+                "question": qa["q"],
+                "answer": qa["a"],
+                "canvas": [meta["canvas"]["width"], meta["canvas"]["height"]],
+                "num_objects": len(meta["objects"]),
+                "generator": {"kind": "scenes", "seed": gen_seed, "split": SPLIT, "index": i},
+            }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Chance levels
+
+
+def _masks(docs: list[dict], key: str, values) -> dict:
+    return {value: [d[key] == value for d in docs] for value in values}
+
+
+def chance_levels(task: str, docs: list[dict]) -> tuple[dict, dict]:
+    """(metric -> the best constant answer's score, metric -> that answer) for every metric of ``task``, on
+    ``docs`` (``eval.chance``; None for a metric whose bucket is empty, as the task reports NaN there)."""
+    answers = [str(d.get("answer", "")) for d in docs]
+    if task == "cmoe_refloc":
+        found = chance.best_constant_boxes([d["bbox"] for d in docs])
+    elif task == "cmoe_sceneqa":
+        types = [d["type"] for d in docs]
+        by_type = chance.best_constant_answer(answers, metrics.short_answer_match, _masks(docs, "type", SCENEQA_TYPES))
+        found = {f"acc_{t}": by_type[t] for t in SCENEQA_TYPES}
+        found["acc"] = chance.best_constant_per_group(answers, types, metrics.short_answer_match)
+    elif task == "cmoe_niah":
+        subsets = {"acc": [True] * len(docs)}
+        subsets |= {f"acc_{m}": mask for m, mask in _masks(docs, "modality", NIAH_MODALITIES).items()}
+        subsets |= {f"acc_depth_{round(d * 100)}": mask for d, mask in _masks(docs, "depth", NIAH_DEPTHS).items()}
+        subsets |= {f"acc_len_{n}": mask for n, mask in _masks(docs, "length", NIAH_LENGTHS).items()}
+        found = chance.best_constant_answer(answers, metrics.needle_found, subsets)
+    elif task == "cmoe_longdoc":
+        subsets = {"": [True] * len(docs)} | {
+            f"_pages_{p}": m for p, m in _masks(docs, "num_pages", LONGDOC_PAGES).items()
+        }
+        found = {}
+        for name, score in (("anls", metrics.anls), ("exact_match", metrics.exact_match)):
+            found |= {name + suffix: v for suffix, v in chance.best_constant_answer(answers, score, subsets).items()}
+    else:
+        raise ValueError(f"no chance levels for task {task!r}")
+    return {m: v for m, (v, _) in found.items()}, {m: c for m, (_, c) in found.items()}
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Writing
 
 
 def _write_task(out: Path, task: str, rows: Iterator[dict], options: dict) -> dict:
-    """JSONL + manifest of one task (the images were written by the row generator)."""
+    """JSONL + manifest of one task (the images were written by the row generator); the chance levels are
+    computed from the JSONL as written."""
     data_dir = out / task / "data"
     lines = [json.dumps(row, sort_keys=True) + "\n" for row in rows]
     text = "".join(lines)
     (data_dir / "test.jsonl").write_text(text, encoding="utf-8")
+    written = (data_dir / "test.jsonl").read_text(encoding="utf-8").splitlines()
+    levels, constants = chance_levels(task, [json.loads(line) for line in written])
     manifest = {
         "task": task,
         "docs": len(lines),
         "options": options,
         "jsonl_sha256": hashlib.sha256(text.encode()).hexdigest(),
+        "chance": levels,
+        "chance_constant": constants,
     }
     (data_dir / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return manifest
@@ -218,6 +278,7 @@ def write_eval_sets(
     niah_per_bucket: int = 44,
     niah_lengths: Sequence[str] = tuple(NIAH_LENGTHS),
     refloc_n: int = 200,
+    sceneqa_n: int = 200,
 ) -> dict[str, dict]:
     """Write the chosen tasks' data (replacing any earlier data of those tasks); returns their manifests."""
     out = Path(out)
@@ -239,8 +300,11 @@ def write_eval_sets(
         elif task == "cmoe_niah":
             options = {"per_bucket": niah_per_bucket, "lengths": {k: NIAH_LENGTHS[k] for k in niah_lengths}}
             rows = niah_rows(niah_per_bucket, seed, niah_lengths, images)
-        else:
+        elif task == "cmoe_refloc":
             options = {"n": refloc_n}
             rows = refloc_rows(refloc_n, seed, images)
+        else:
+            options = {"n": sceneqa_n, "types": list(SCENEQA_TYPES)}
+            rows = sceneqa_rows(sceneqa_n, seed, images)
         manifests[task] = _write_task(out, task, rows, {"seed": seed, "split": SPLIT, **options})
     return manifests

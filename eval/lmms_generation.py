@@ -1,5 +1,5 @@
-"""The model-side work of the lmms-eval plugin: chunking overrides, batched generation, log-likelihoods, and the
-per-row compression statistics (R total / text / image) of a prompt forward.
+"""The model-side work of the lmms-eval plugin: chat prompts, chunking overrides, batched generation,
+log-likelihoods, and the per-row compression statistics (R total / text / image) of a prompt forward.
 
 Kept apart from ``eval/lmms_plugin.py`` so that it can be tested without lmms-eval's request objects: every
 function takes the model, the processor and plain items (``{"prompt": str, "images": [PIL...]}``).
@@ -11,13 +11,62 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
+from data_pipelines.chat import END_OF_TURN, render, turns_from_messages
 from data_pipelines.schema import Modality
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_TEMPLATE = "default"  # ``chat_template`` value: the processor's own template
+_RAW = ("none", "raw", "false", "off", "0")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Prompts
+
+
+def resolve_chat_template(value) -> str | None:
+    """The ``chat_template`` model arg: ``None`` (raw prompts, ``none``), ``DEFAULT_TEMPLATE`` (unset, ``default``:
+    the processor's template) or the Jinja text of a template file (any other value is its path)."""
+    text = "" if value is None else str(value).strip()
+    if text.lower() in ("", DEFAULT_TEMPLATE, "processor"):
+        return DEFAULT_TEMPLATE
+    if text.lower() in _RAW:
+        return None
+    path = Path(text).expanduser()
+    if not path.is_file():
+        raise ValueError(f"conceptmoe: chat_template={text!r} is neither default / none nor a Jinja template file")
+    return path.read_text(encoding="utf-8")
+
+
+def chat_prompt(processor, context: str, template: str | None) -> str:
+    """The task context as the prompt the model sees: as it is (``template`` None), or as one user message
+    ``{"role": "user", "content": context}`` through the chat template with the generation prompt (the
+    assistant header) appended. ``DEFAULT_TEMPLATE``: ``processor.apply_chat_template`` with the processor's
+    ``chat_template``; a processor without one renders ``data_pipelines.chat``'s template (the same string)."""
+    if template is None:
+        return context
+    messages = [{"role": "user", "content": context}]
+    apply = getattr(processor, "apply_chat_template", None)
+    if template == DEFAULT_TEMPLATE:
+        if apply is not None and getattr(processor, "chat_template", None):
+            return apply(messages, add_generation_prompt=True, tokenize=False)
+        return render(turns_from_messages(messages), add_generation_prompt=True)
+    if apply is not None:
+        return apply(messages, chat_template=template, add_generation_prompt=True, tokenize=False)
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    (prompt,), _ = render_jinja_template(conversations=[messages], chat_template=template, add_generation_prompt=True)
+    return prompt
+
+
+def chat_stops(template: str | None) -> list[str]:
+    """Stop strings of chat prompts: the end-of-turn token (none for raw prompts)."""
+    return [] if template is None else [END_OF_TURN]
 
 
 @dataclass
@@ -29,16 +78,26 @@ class GenSettings:
     temperature: float = 0.0
     top_p: float | None = None
     image_max_patches: int | None = None  # a task's hint (long documents); ``max_patches`` in model_args wins
+    stop_token_ids: list[int] = field(default_factory=list)  # generation ends at any of them (EOS, <|end|>)
 
     @classmethod
-    def from_kwargs(cls, kwargs: dict | None, processor) -> GenSettings:
-        """Read until (str or list), max_new_tokens, temperature, top_p, image_max_patches; ignore the rest."""
+    def from_kwargs(cls, kwargs: dict | None, processor, extra_stops: tuple[str, ...] | list[str] = ()) -> GenSettings:
+        """Read until (str or list), max_new_tokens, temperature, top_p, image_max_patches; ignore the rest.
+        EOS and ``extra_stops`` (e.g. the chat template's end of turn) join ``until``; those of them that are one
+        token of the tokenizer also end generation as token ids."""
         kwargs = dict(kwargs or {})
         until = kwargs.get("until") or []
         until = [until] if isinstance(until, str) else list(until)
-        eos = processor.tokenizer.eos_token
-        if eos and eos not in until:
-            until.append(eos)
+        tok = processor.tokenizer
+        stop_ids = []
+        for stop in (tok.eos_token, *extra_stops):
+            if not stop:
+                continue
+            if stop not in until:
+                until.append(stop)
+            ids = tok(stop, add_special_tokens=False)["input_ids"]
+            if len(ids) == 1 and ids[0] not in stop_ids:
+                stop_ids.append(ids[0])
         budget = kwargs.get("image_max_patches")
         return cls(
             until=until,
@@ -46,6 +105,7 @@ class GenSettings:
             temperature=float(kwargs.get("temperature") or 0.0),
             top_p=None if kwargs.get("top_p") is None else float(kwargs["top_p"]),
             image_max_patches=None if budget is None else int(budget),
+            stop_token_ids=stop_ids,
         )
 
 
@@ -134,7 +194,7 @@ def generate_batch(model, processor, batch: list[dict], settings: GenSettings, m
         )
     inputs = _to_device(inputs, device)
     tok = processor.tokenizer
-    eos_id, pad_id = tok.eos_token_id, processor.pad_token_id
+    eos_id, pad_id = settings.stop_token_ids or tok.eos_token_id, processor.pad_token_id
     kwargs = {"max_new_tokens": settings.max_new_tokens, "do_sample": settings.temperature > 0}
     if settings.temperature > 0:
         kwargs |= {"temperature": settings.temperature, "top_p": settings.top_p}

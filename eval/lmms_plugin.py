@@ -15,7 +15,12 @@ Registered through the ``lmms_eval.models`` entry point (``pyproject.toml``: ``c
   eval-time R | ``none`` on a chunked model is refused), ``target_r``, ``noise_tau`` (boundary noise only ever
   applies in training mode; evaluation runs in eval mode), ``modality_boundaries`` (true / false);
 - ``stats_dir``: where the per-sample R records go (default: ``--output_path``'s model folder, next to
-  lmms-eval's ``*_results.json``), ``record_stats`` (default true).
+  lmms-eval's ``*_results.json``), ``record_stats`` (default true);
+- ``chat_template``: unset or ``default``: every task context is one user message ``{"role": "user", "content":
+  context}`` rendered by ``processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)``
+  (``data_pipelines.chat``'s template; an older processor without one renders the same string through
+  ``data_pipelines.chat.render``), and generation also stops at ``<|end|>``; ``none``: the raw context, for base
+  models trained without the template; any other value: the path of a Jinja template file used instead.
 
 Per sample (every request) one JSON line in ``STATS_DIR/r_stats_<task>.jsonl``: ``task``, ``doc_id``, ``group``,
 ``tokens``, ``concepts``, ``r``, ``r_text``, ``r_image`` and the per-modality counts, measured on the prompt
@@ -91,6 +96,7 @@ class ConceptMoELMMs(lmms):
         modality_boundaries: bool | str | None = None,
         stats_dir: str | None = None,
         record_stats: bool | str = True,
+        chat_template: str | None = None,
         **kwargs,
     ) -> None:
         super().__init__()
@@ -118,6 +124,7 @@ class ConceptMoELMMs(lmms):
             if modality_boundaries is None
             else _as_bool(modality_boundaries, "modality_boundaries"),
         )
+        self.chat_template = gen.resolve_chat_template(chat_template)  # None: raw prompts
         self.record_stats = _as_bool(record_stats, "record_stats")
         self.stats_dir = Path(stats_dir) if stats_dir else default_stats_dir(pretrained)
         self._stats_files: set[Path] = set()
@@ -141,13 +148,16 @@ class ConceptMoELMMs(lmms):
         return flat
 
     def _prompt(self, context: str, n_images: int) -> str:
-        """The context with one ``<image>`` marker per image: as given, or all images first when it has none."""
+        """The context with one ``<image>`` marker per image (as given, or all images first when it has none),
+        then through the chat template (``chat_template``; unchanged with ``none``)."""
         n_markers = context.count(IMAGE_MARKER)
-        if n_markers == n_images:
+        if n_markers == 0 and n_images:
+            context = IMAGE_MARKER * n_images + "\n" + context
+        elif n_markers != n_images:
+            raise ValueError(f"the prompt has {n_markers} {IMAGE_MARKER} markers but the doc has {n_images} images")
+        if not context:  # an empty loglikelihood context stays empty: the continuation is scored from EOS
             return context
-        if n_markers == 0:
-            return IMAGE_MARKER * n_images + "\n" + context
-        raise ValueError(f"the prompt has {n_markers} {IMAGE_MARKER} markers but the doc has {n_images} images")
+        return gen.chat_prompt(self.processor, context, self.chat_template)
 
     def _prepare(self, requests: list[Instance]) -> list[dict]:
         """Per request: prompt, images, or the one-line reason it failed (counted, answered empty / -inf)."""
@@ -208,7 +218,8 @@ class ConceptMoELMMs(lmms):
         key = lambda it: json.dumps(it["req"].args[1], sort_keys=True, default=str)
         answers: dict[int, str] = {}
         for batch in self._batches(items, key):
-            kwargs = gen.GenSettings.from_kwargs(batch[0]["req"].args[1], self.processor)
+            stops = gen.chat_stops(self.chat_template)
+            kwargs = gen.GenSettings.from_kwargs(batch[0]["req"].args[1], self.processor, extra_stops=stops)
             budget = self.max_patches or kwargs.image_max_patches or self.default_max_patches
             texts, stats = gen.generate_batch(self.model, self.processor, batch, kwargs, budget, self._device)
             for item, text in zip(batch, texts):

@@ -10,6 +10,7 @@ Definitions follow lmms-eval's own tasks so that numbers are comparable:
   inside the ground-truth box (borders included).
 - Needle accuracy: the answer appears in the prediction as a whole word (case-insensitive), the usual
   needle-in-a-haystack rule (a model may answer in a sentence).
+- Short answers (``cmoe_sceneqa``): exact match after stripping, lower-casing and dropping a trailing period.
 """
 
 from __future__ import annotations
@@ -65,6 +66,17 @@ def exact_match(prediction: str, references: str | Sequence[str]) -> float:
     refs = [references] if isinstance(references, str) else list(references)
     pred = normalize_answer(prediction).strip(_EDGE_PUNCT)
     return float(any(pred == normalize_answer(ref).strip(_EDGE_PUNCT) for ref in refs))
+
+
+def short_answer(text: str) -> str:
+    """A one-word-or-phrase answer normalised for ``cmoe_sceneqa``: whitespace stripped (and collapsed), lower
+    case, trailing periods dropped ("Top left." -> "top left")."""
+    return normalize_answer(text).rstrip(".").strip()
+
+
+def short_answer_match(prediction: str, reference: str) -> float:
+    """1.0 when the normalised prediction equals the normalised reference (``short_answer``), else 0.0."""
+    return float(short_answer(prediction) == short_answer(reference))
 
 
 def needle_found(prediction: str, answer: str) -> float:

@@ -1,12 +1,12 @@
-"""Generate the local evaluation data of the lmms-eval tasks (cmoe_longdoc, cmoe_niah, cmoe_refloc).
+"""Generate the local evaluation data of the lmms-eval tasks (cmoe_longdoc, cmoe_niah, cmoe_refloc, cmoe_sceneqa).
 
     python scripts/make_eval_data.py [--out eval/tasks] [--seed 0] [--tasks cmoe_niah,...] [sizes ...]
 
-Writes OUT/<task>/data/{test.jsonl,images/,manifest.json}. OUT defaults to eval/tasks relative to the current
-directory: run from the repository root, that is the project's own task folder (`lmms-eval --include_path
-eval/tasks`); anywhere else, and for any other --out, the task YAML and utils.py are copied next to the data, so that
-`lmms-eval --include_path OUT` works on its own. Nothing is written into the installed package. See
-eval/eval_data.py.
+Writes OUT/<task>/data/{test.jsonl,images/,manifest.json} (the manifest with the task's chance levels, see
+eval/chance.py). OUT defaults to eval/tasks relative to the current directory: run from the repository root, that
+is the project's own task folder (`lmms-eval --include_path eval/tasks`); anywhere else, and for any other --out,
+the task YAML and utils.py are copied next to the data, so that `lmms-eval --include_path OUT` works on its own.
+Nothing is written into the installed package. See eval/eval_data.py.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--niah-per-bucket", type=int, default=44, help="haystacks per length (22 = one grid)")
     parser.add_argument("--niah-lengths", default=",".join(NIAH_LENGTHS), help="subset of short,medium,long")
     parser.add_argument("--refloc-n", type=int, default=200, help="scenes (one expression each)")
+    parser.add_argument("--sceneqa-n", type=int, default=200, help="scenes (one question per type each)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     start = time.time()
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             niah_per_bucket=args.niah_per_bucket,
             niah_lengths=[n for n in args.niah_lengths.split(",") if n],
             refloc_n=args.refloc_n,
+            sceneqa_n=args.sceneqa_n,
         )
     except ValueError as err:
         print(f"make_eval_data: error: {err}", file=sys.stderr)

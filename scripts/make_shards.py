@@ -4,6 +4,8 @@
     python scripts/make_shards.py --from-jsonl docs.jsonl --out data/docs --eval-fraction 0.05
     python scripts/make_shards.py --from-dir img2dataset_out/ --out data/pairs
     python scripts/make_shards.py --from-text notes/*.txt --text-unit paragraph --out data/notes
+    python scripts/make_shards.py --from-llava llava.json --image-root llava_images/ --out data/sft
+    python scripts/make_shards.py --from-messages chats.jsonl --out data/chats
 
 All options: ``--help``; the logic lives in :mod:`data_pipelines.make_shards`.
 """

@@ -55,6 +55,10 @@ OUTPUT_NAMES = {
     "cmoe_niah_grid.json",
     "config.json",
     "processor_config.json",
+    "preprocessor_config.json",  # ImageProcessor.save_pretrained
+    "generation_config.json",  # ConceptMoEVLM.save_pretrained
+    "vlm_processor_config.json",  # written by the processor before it was a transformers one (still read)
+    "image_processor_config.json",
     "test.jsonl",
     "*_results.json",  # lmms-eval's results file
 }

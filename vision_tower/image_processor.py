@@ -5,6 +5,10 @@ Each image is resized (aspect ratio kept) to the largest grid of ``patch_size * 
 It is then normalised and cut into patches with timm's ``Patchify`` (channels-last flattening, (y, x) coordinates
 in row-major order). Grids are multiples of ``pixel_shuffle`` in both dimensions, so a 2x2 pixel shuffle never
 meets a ragged edge, and an image becomes ``gh * gw // pixel_shuffle**2`` language-model tokens.
+
+``ImageProcessor`` is a transformers image processor (``BaseImageProcessor``): ``save_pretrained`` writes
+``preprocessor_config.json``, and ``from_pretrained`` / ``AutoImageProcessor`` (registered by ``import vlm``) read it,
+the ``image_processor`` entry of a processor's ``processor_config.json``, or the legacy ``image_processor_config.json``.
 """
 
 from __future__ import annotations
@@ -18,10 +22,17 @@ import numpy as np
 import torch
 from PIL import Image
 from timm.data import Patchify
+from transformers.image_processing_utils import BaseImageProcessor, BatchFeature
+from transformers.utils import IMAGE_PROCESSOR_NAME, PROCESSOR_NAME
 
 logger = logging.getLogger(__name__)
 
-CONFIG_NAME = "image_processor_config.json"
+CONFIG_NAME = IMAGE_PROCESSOR_NAME  # "preprocessor_config.json", HF's name
+LEGACY_CONFIG_NAME = "image_processor_config.json"  # written before the processor became a transformers one
+_CONFIG_FILES = (PROCESSOR_NAME, CONFIG_NAME, LEGACY_CONFIG_NAME)  # where a folder's settings are looked up, in order
+_LOADING_KWARGS = ("cache_dir", "force_download", "proxies", "token", "local_files_only", "revision", "subfolder",
+                   "image_processor_filename", "_from_pipeline", "_from_auto")  # fmt: skip
+SETTINGS = ("patch_size", "max_patches", "pixel_shuffle", "mean", "std", "upscale")
 _HIGH_DEPTH_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I", "F")
 _ALPHA_MODES = ("RGBA", "RGBa", "LA", "La", "PA")
 _VALUE_RANGES = {"I": (255.0, 65535.0), "F": (1.0, 255.0, 65535.0)}  # candidate white levels, smallest first
@@ -76,14 +87,19 @@ def _check_image(image, index: int) -> Image.Image:
     return image
 
 
-class ImageProcessor:
+class ImageProcessor(BaseImageProcessor):
     """PIL images -> ``patches`` / ``patch_coord`` / ``patch_valid`` / ``grid_hw`` / ``num_tokens`` tensors.
 
     ``max_patches`` is the budget before the pixel shuffle (``max_patches // pixel_shuffle**2`` LM tokens per image at
     most). Large images shrink into the budget; small ones keep their resolution (rounded down to whole blocks), or with
     ``upscale=True`` grow to fill the budget as timm's NaFlex transforms / SigLIP-2 do. Every image gets at least
     one ``pixel_shuffle x pixel_shuffle`` block.
+
+    A transformers ``BaseImageProcessor`` for saving, loading and the Auto classes; the pixels are its own (the
+    backends' resize / crop kwargs do not apply), and ``preprocess`` takes one image (see below).
     """
+
+    model_input_names = ["patches", "patch_coord", "patch_valid", "grid_hw", "num_tokens"]
 
     def __init__(
         self,
@@ -113,6 +129,7 @@ class ImageProcessor:
             need(ok, name, "must be 3 numbers (one per RGB channel)", values)
         need(all(s > 0 for s in std), "std", "must be > 0", std)
         need(isinstance(upscale, bool), "upscale", "must be a bool", upscale)
+        super().__init__()
         self.patch_size, self.max_patches, self.pixel_shuffle = patch_size, max_patches, pixel_shuffle
         self.mean, self.std = tuple(float(v) for v in mean), tuple(float(v) for v in std)
         self.upscale = upscale
@@ -144,8 +161,13 @@ class ImageProcessor:
         mean, std = torch.tensor(self.mean)[:, None, None], torch.tensor(self.std)[:, None, None]
         return (x_3HW - mean) / std
 
-    def __call__(self, images: Sequence[Image.Image] | Image.Image) -> dict[str, torch.Tensor]:
-        """A batch of n images (n may be 0; a single image counts as a batch of one), padded to the longest."""
+    def __call__(self, images: Sequence[Image.Image] | Image.Image, return_tensors: str | None = "pt") -> BatchFeature:
+        """A batch of n images (n may be 0; a single image counts as a batch of one), padded to the longest.
+
+        Returns a ``BatchFeature`` (a mapping) of torch tensors; ``return_tensors`` is there for HF callers
+        (``"pt"`` or None, both torch)."""
+        if return_tensors not in ("pt", None):
+            raise ValueError(f"ImageProcessor: return_tensors={return_tensors!r} is not supported; use 'pt'")
         if isinstance(images, Image.Image):
             images = [images]
         if isinstance(images, str | bytes) or not isinstance(images, Sequence):
@@ -166,7 +188,7 @@ class ImageProcessor:
             out["patch_coord"][i, :k] = p["patch_coord"]
             out["patch_valid"][i, :k] = True
         out["num_tokens"] = out["grid_hw"].prod(-1) // self.pixel_shuffle**2
-        return out
+        return BatchFeature(data=out)
 
     # ------------------------------------------------------------------ persistence (HF-style)
     def to_dict(self) -> dict:
@@ -180,27 +202,63 @@ class ImageProcessor:
             "upscale": self.upscale,
         }
 
-    def save_pretrained(self, save_directory: str | Path) -> Path:
-        path = Path(save_directory) / CONFIG_NAME
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-        return path
+    def save_pretrained(self, save_directory: str | Path, push_to_hub: bool = False, **kwargs) -> Path:
+        """Writes ``preprocessor_config.json`` into ``save_directory``; returns its path."""
+        return Path(super().save_pretrained(str(save_directory), push_to_hub=push_to_hub, **kwargs)[0])
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> ImageProcessor:
-        """From a directory holding ``image_processor_config.json`` (or that file itself)."""
-        path = Path(path)
-        path = path / CONFIG_NAME if path.is_dir() else path
-        if not path.is_file():
-            raise FileNotFoundError(f"ImageProcessor.from_pretrained: no {CONFIG_NAME} at {path}")
-        config = json.loads(path.read_text())
-        config.pop("image_processor_type", None)
+    def from_pretrained(cls, pretrained_model_name_or_path: str | Path, **kwargs) -> ImageProcessor:
+        """From a folder holding ``processor_config.json`` (a processor's, ``image_processor`` entry),
+        ``preprocessor_config.json`` or the legacy ``image_processor_config.json`` (in that order), from one of
+        those files itself, or a Hub id. ``kwargs`` may override settings (``max_patches=...``)."""
+        path = Path(str(pretrained_model_name_or_path)).expanduser()
+        folder = path / kwargs.get("subfolder", "")
+        missing = FileNotFoundError(
+            f"ImageProcessor.from_pretrained: no {CONFIG_NAME} (nor {PROCESSOR_NAME}, nor the legacy "
+            f"{LEGACY_CONFIG_NAME}) at {folder}"
+        )
+        if path.is_dir() and not any((folder / name).is_file() for name in _CONFIG_FILES):
+            raise missing
+        if not path.exists() and (path.is_absolute() or str(pretrained_model_name_or_path).startswith((".", "~"))):
+            raise missing  # a local path, not a Hub id
+        return super().from_pretrained(str(path) if path.exists() else pretrained_model_name_or_path, **kwargs)
+
+    @classmethod
+    def get_image_processor_dict(cls, pretrained_model_name_or_path, **kwargs) -> tuple[dict, dict]:
+        """transformers' lookup (a processor config's ``image_processor`` entry, else ``preprocessor_config.json``),
+        plus a file given directly (a processor config too) and folders with only the legacy file."""
+        path = Path(str(pretrained_model_name_or_path))
+        folder = path / kwargs.get("subfolder", "")
+        legacy = folder / LEGACY_CONFIG_NAME
+        only_legacy = legacy.is_file() and not any((folder / name).is_file() for name in _CONFIG_FILES[:2])
+        if path.is_file() or only_legacy:
+            config = json.loads((path if path.is_file() else legacy).read_text())
+            for name in _LOADING_KWARGS:
+                kwargs.pop(name, None)
+            nested = config.get("image_processor")
+            return (nested if isinstance(nested, dict) else config), kwargs
+        return super().get_image_processor_dict(pretrained_model_name_or_path, **kwargs)
+
+    @classmethod
+    def from_dict(cls, image_processor_dict: dict, **kwargs):
+        """The settings of a saved config (type keys dropped, the pre-rename ``merge`` read as ``pixel_shuffle``,
+        unknown keys ignored with a warning), overridden by those in ``kwargs``."""
+        config = dict(image_processor_dict)
+        return_unused_kwargs = kwargs.pop("return_unused_kwargs", False)
+        for key in ("image_processor_type", "processor_class", "feature_extractor_type", "auto_map"):
+            config.pop(key, None)
         if "merge" in config:  # the field's name before it was renamed: files saved then still load
             config.setdefault("pixel_shuffle", config.pop("merge"))
-        known = {"patch_size", "max_patches", "pixel_shuffle", "mean", "std", "upscale"}
-        if unknown := sorted(set(config) - known):
-            logger.warning("ImageProcessor.from_pretrained: ignoring unknown keys %s in %s", unknown, path)
-        return cls(**{k: v for k, v in config.items() if k in known})
+        if unknown := sorted(set(config) - set(SETTINGS)):
+            logger.warning("ImageProcessor.from_pretrained: ignoring unknown keys %s", unknown)
+        settings = {k: v for k, v in config.items() if k in SETTINGS}
+        settings.update({k: kwargs.pop(k) for k in SETTINGS if k in kwargs})
+        processor = cls(**settings)
+        return (processor, kwargs) if return_unused_kwargs else processor
+
+    @classmethod
+    def from_json_file(cls, json_file: str | Path) -> ImageProcessor:
+        return cls.from_dict(json.loads(Path(json_file).read_text()))
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.to_dict().items() if k != "image_processor_type")

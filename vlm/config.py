@@ -60,6 +60,9 @@ class ConceptMoEVLMConfig(PretrainedConfig):
         modality_boundaries: bool = False,
         freeze_vision: bool = False,
         freeze_backbone: bool = False,
+        bos_token_id: int | None = None,
+        eos_token_id: int | list[int] | None = None,
+        pad_token_id: int | None = None,
         **kwargs,
     ):
         pixel_shuffle = rename_legacy_fields(
@@ -85,6 +88,9 @@ class ConceptMoEVLMConfig(PretrainedConfig):
         self.modality_boundaries = modality_boundaries
         self.freeze_vision = freeze_vision
         self.freeze_backbone = freeze_backbone
+        # the tokenizer's, as HF models carry them (``VLMProcessor.special_token_ids``); the model's generation config
+        # starts from them, so ``generate`` stops at any of ``eos_token_id`` (``<|end|>`` and end of text)
+        self.bos_token_id, self.eos_token_id, self.pad_token_id = bos_token_id, eos_token_id, pad_token_id
         super().__init__(**kwargs)
         self.validate_fields()
 

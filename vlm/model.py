@@ -114,6 +114,16 @@ class ConceptMoEVLM(PreTrainedModel, ConceptMoEGenerationMixin):
         if modality_boundaries is not None:
             self.config.modality_boundaries = bool(modality_boundaries)
 
+    def set_special_token_ids(self, bos_token_id=None, eos_token_id=None, pad_token_id=None) -> None:
+        """The tokenizer's special ids (``**processor.special_token_ids``) into the config and the generation config,
+        as HF models carry them: saved in ``config.json`` / ``generation_config.json``, and ``generate`` stops at
+        any id of ``eos_token_id`` (``<|end|>`` and end of text) and pads finished rows with ``pad_token_id``."""
+        ids = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
+        for name, value in ids.items():
+            setattr(self.config, name, value)
+            if self.generation_config is not None:
+                setattr(self.generation_config, name, value)
+
     def apply_freezing(self) -> None:
         """``freeze_vision`` / ``freeze_backbone``: stop gradients to the tower / to the language model."""
         self.vision_tower.requires_grad_(not self.config.freeze_vision)

@@ -1,37 +1,64 @@
 """``VLMProcessor``: text with ``<image>`` markers + images -> everything ``ConceptMoEVLM.forward`` needs.
 
-HF conventions: ``processor(text=[...], images=[[...], ...], return_tensors="pt")``, ``save_pretrained`` /
-``from_pretrained``. Any HF fast tokenizer works; ``<image>`` is added as a special token when missing, so the
-model's vocabulary must cover ``len(processor.tokenizer)`` (``ConceptMoEVLMConfig(image_token_id=
-processor.image_token_id)`` and a ``text_config.vocab_size`` at least that large).
+A transformers ``ProcessorMixin`` (tokenizer + :class:`vision_tower.ImageProcessor` + chat template):
+``processor(text=[...], images=[[...], ...], return_tensors="pt")``, ``apply_chat_template``, ``save_pretrained`` /
+``from_pretrained``, and ``AutoProcessor`` for a folder holding an exported ``ConceptMoEVLM`` (``import vlm``
+registers it). ``save_pretrained`` writes the tokenizer's files, ``processor_config.json`` (the image processor's
+settings under ``image_processor``) and ``chat_template.jinja``; folders written before (``vlm_processor_config.json``
++ ``image_processor_config.json``) still load.
+
+Any HF fast tokenizer works; ``<image>`` and the chat tokens (``data_pipelines.chat.CHAT_TOKENS``) are added as
+special tokens when missing, so the model's vocabulary must cover ``len(processor.tokenizer)``
+(``ConceptMoEVLMConfig(image_token_id=processor.image_token_id)`` and a ``text_config.vocab_size`` at least that
+large). The chat template defaults to ``data_pipelines.chat.CHAT_TEMPLATE``; ``processor.chat_template`` can be
+edited and is saved with the processor.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 
 import torch
 from PIL import Image
-from transformers import AutoTokenizer, BatchFeature
+from transformers import AutoTokenizer, BatchFeature, ProcessorMixin
+from transformers.image_utils import load_image
+from transformers.utils import PROCESSOR_NAME
 
+from data_pipelines.chat import CHAT_TEMPLATE, CHAT_TOKENS, END_OF_TURN
 from data_pipelines.tokenizer import IMAGE_TOKEN, special_affixes
 from vision_tower import ImageProcessor
 
-PROCESSOR_FILE = "vlm_processor_config.json"
+LEGACY_PROCESSOR_FILE = "vlm_processor_config.json"  # what save_pretrained wrote before processor_config.json
 
 
-class VLMProcessor:
+class VLMProcessor(ProcessorMixin):
     image_token = IMAGE_TOKEN
+    model_input_names = [
+        "input_ids", "attention_mask", "modality_ids", "patches", "patch_coord", "patch_valid", "grid_hw", "num_tokens",
+    ]  # fmt: skip
 
-    def __init__(self, tokenizer, image_processor: ImageProcessor | None = None):
-        if self.image_token not in tokenizer.get_vocab():
-            tokenizer.add_tokens([self.image_token], special_tokens=True)
-        self.tokenizer = tokenizer
-        self.image_processor = image_processor or ImageProcessor()
+    def __init__(self, tokenizer, image_processor: ImageProcessor | None = None, chat_template: str | None = None):
+        vocab = tokenizer.get_vocab()
+        if missing := [t for t in (self.image_token, *CHAT_TOKENS) if t not in vocab]:
+            tokenizer.add_tokens(missing, special_tokens=True)
+        super().__init__(
+            tokenizer,
+            image_processor if image_processor is not None else ImageProcessor(),
+            chat_template=CHAT_TEMPLATE if chat_template is None else chat_template,
+        )
         self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        self.end_of_turn_id = tokenizer.convert_tokens_to_ids(END_OF_TURN)
         self.prefix_ids, self.suffix_ids = special_affixes(tokenizer)
+
+    @property
+    def special_token_ids(self) -> dict:
+        """``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` for the model's config and generation config:
+        generation stops at ``<|end|>`` (the end of an assistant turn) or the tokenizer's end of text."""
+        eos = [self.end_of_turn_id]
+        if self.tokenizer.eos_token_id not in (None, self.end_of_turn_id):
+            eos.append(self.tokenizer.eos_token_id)
+        return {"bos_token_id": self.tokenizer.bos_token_id, "eos_token_id": eos, "pad_token_id": self.pad_token_id}
 
     @property
     def pad_token_id(self) -> int:
@@ -67,36 +94,47 @@ class VLMProcessor:
         if all(isinstance(row, (list, tuple)) for row in images):
             if len(images) != len(texts):
                 raise ValueError(f"got {len(texts)} texts but image lists for {len(images)} rows")
-            return [list(row) for row in images]
+            return [[_as_image(img) for img in row] for row in images]
         markers = [t.count(self.image_token) for t in texts]
         if sum(markers) != len(images):
             raise ValueError(f"{len(images)} images given flat, but the texts hold {sum(markers)} {self.image_token}")
         rows, start = [], 0
         for n in markers:
-            rows.append(images[start : start + n])
+            rows.append([_as_image(img) for img in images[start : start + n]])
             start += n
         return rows
 
     def __call__(
         self,
-        text: str | Sequence[str],
+        text: str | Sequence[str] | None = None,
         images: Sequence | None = None,
-        return_tensors: str = "pt",
-        padding: str = "longest",
+        return_tensors: str | None = "pt",
+        padding: str | bool = "longest",
         padding_side: str | None = None,
         add_special_tokens: bool = True,
         max_length: int | None = None,
+        videos=None,
+        audio=None,
+        **kwargs,
     ) -> BatchFeature:
         """``images[i]`` is the list of images of row i (matched in order to its ``<image>`` markers), or a
-        flat list matched to the markers of all rows in order.
+        flat list matched to the markers of all rows in order; an image is a PIL image, or a path / URL.
 
         Returns input_ids, attention_mask, modality_ids (1 on image slots), and for the images of all rows
         in order: patches, patch_coord, patch_valid, grid_hw, num_tokens. ``padding="max_length"`` pads to
         ``max_length``; a longer row raises rather than cutting an image in half. ``padding_side`` defaults
-        to the tokenizer's.
+        to the tokenizer's. Role and end-of-turn tokens in the text (a rendered chat template) are special
+        tokens: they encode as their own ids.
         """
-        if return_tensors != "pt":
+        if unsupported := sorted(k for k, v in kwargs.items() if v not in (None, False)):
+            raise TypeError(f"VLMProcessor does not take {', '.join(unsupported)}")
+        if videos is not None or audio is not None:
+            raise ValueError("VLMProcessor handles text and images only (got videos or audio)")
+        if text is None:
+            raise ValueError("VLMProcessor needs text: one <image> marker per image, where the image goes")
+        if return_tensors not in ("pt", None):
             raise ValueError(f"return_tensors={return_tensors!r} is not supported; use 'pt'")
+        padding = "longest" if padding is True else padding  # True: HF callers (the pipelines, batched text)
         padding_side = padding_side or getattr(self.tokenizer, "padding_side", "right")
         if padding_side not in ("right", "left"):
             raise ValueError(f"padding_side={padding_side!r} is invalid: use 'right' or 'left'")
@@ -124,21 +162,28 @@ class VLMProcessor:
         data = {"input_ids": input_ids, "attention_mask": attention_mask, "modality_ids": modality_ids, **pixel}
         return BatchFeature(data=data)
 
-    def decode(self, ids, **kwargs) -> str:
-        return self.tokenizer.decode(ids, **kwargs)
-
-    def batch_decode(self, ids, **kwargs) -> list[str]:
-        return self.tokenizer.batch_decode(ids, **kwargs)
-
-    def save_pretrained(self, save_directory: str) -> None:
-        os.makedirs(save_directory, exist_ok=True)
-        self.tokenizer.save_pretrained(save_directory)
-        self.image_processor.save_pretrained(save_directory)
-        with open(os.path.join(save_directory, PROCESSOR_FILE), "w") as f:
-            json.dump({"processor_class": type(self).__name__, "image_token": self.image_token}, f, indent=2)
-
     @classmethod
-    def from_pretrained(cls, directory: str) -> VLMProcessor:
-        if not os.path.exists(os.path.join(directory, PROCESSOR_FILE)):
-            raise FileNotFoundError(f"{directory} holds no {PROCESSOR_FILE}: not a VLMProcessor.save_pretrained folder")
-        return cls(AutoTokenizer.from_pretrained(directory), ImageProcessor.from_pretrained(directory))
+    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, **kwargs) -> VLMProcessor:
+        """``ProcessorMixin.from_pretrained`` (``processor_config.json``, the tokenizer's files,
+        ``chat_template.jinja``), or a folder saved before the processor was a transformers one
+        (``vlm_processor_config.json`` + the tokenizer's files + ``image_processor_config.json``; it gets the
+        default chat template)."""
+        folder = os.path.join(str(pretrained_model_name_or_path), kwargs.get("subfolder", ""))
+        if os.path.isdir(folder) and not os.path.isfile(os.path.join(folder, PROCESSOR_NAME)):
+            if not os.path.isfile(os.path.join(folder, LEGACY_PROCESSOR_FILE)):
+                raise FileNotFoundError(
+                    f"{folder} holds no {PROCESSOR_NAME} (nor the older {LEGACY_PROCESSOR_FILE}): "
+                    "not a VLMProcessor.save_pretrained folder"
+                )
+            return cls(
+                AutoTokenizer.from_pretrained(folder),
+                ImageProcessor.from_pretrained(folder),
+                chat_template=kwargs.get("chat_template"),
+            )
+        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+
+
+def _as_image(image):
+    """A PIL image as it is; a path or URL (what chat messages may hold) loaded; anything else left to the image
+    processor's type check."""
+    return load_image(image) if isinstance(image, str) else image

@@ -4,7 +4,9 @@ evaluation data:
 - ``scenes``: shapes on canvases, caption, QA and boxes (localization);
 - ``documents``: multi-page rendered text with a question answered by a span on one page (long-document QA);
 - ``needles``: needle in an interleaved text / image haystack at a chosen depth (retrieval);
-- ``text``: documents of the local text corpus (language modelling).
+- ``text``: documents of the local text corpus (language modelling);
+- ``scenes_chat``, ``documents_chat``, ``needles_chat``: instruction conversations on those samples, asked and
+  answered exactly as the eval tasks do (``conversations``; prompts from ``data_pipelines.prompts``).
 
 Each module exposes ``generate(n, seed, split, **options) -> Iterator[Sample]``; sample ``i`` depends only on
 (kind, seed, split, i), and every sample's ``meta["kind"]`` names its generator.
@@ -15,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 
 from data_pipelines.schema import Sample
-from data_pipelines.synthetic import documents, needles, scenes, text
+from data_pipelines.synthetic import conversations, documents, needles, scenes, text
 from data_pipelines.synthetic._common import SPLITS, check_split
 
 GENERATORS: dict[str, Callable[..., Iterator[Sample]]] = {
@@ -23,6 +25,7 @@ GENERATORS: dict[str, Callable[..., Iterator[Sample]]] = {
     "documents": documents.generate,
     "needles": needles.generate,
     "text": text.generate,
+    **{kind: conversations.generator(kind) for kind in conversations.KINDS},
 }
 __all__ = ["GENERATORS", "SPLITS", "generate", "interleave"]
 

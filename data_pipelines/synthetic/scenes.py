@@ -22,6 +22,7 @@ from collections.abc import Iterator
 
 from PIL import Image, ImageDraw
 
+from data_pipelines import prompts
 from data_pipelines.schema import Sample, Segment, image_bytes
 from data_pipelines.synthetic._common import check_split, sample_key, sample_rng
 
@@ -148,13 +149,32 @@ def questions(rng: random.Random, meta: dict) -> list[dict]:
     target = rng.choice(objects)
     name = f"{target['colour']} {target['shape']}"
     qa.append({"type": "position", "q": f"In which part of the image is the {name}?", "a": target["position"]})
-    box_text = "[" + ", ".join(f"{v:.2f}" for v in target["box"]) + "]"
-    qa.append({"type": "box", "q": f"Where is the {name}?", "a": box_text, "box": target["box"]})
+    box_qa = {"type": "box", "q": prompts.refloc_question(name), "a": prompts.format_box(target["box"])}
+    qa.append(box_qa | {"box": target["box"]})
     if sum(o["shape"] == target["shape"] for o in objects) == 1:
         qa.append({"type": "colour", "q": f"What colour is the {target['shape']}?", "a": target["colour"]})
     if sum(o["colour"] == target["colour"] for o in objects) == 1:
         qa.append({"type": "shape", "q": f"What shape is the {target['colour']} object?", "a": target["shape"]})
     return qa
+
+
+def referring_expression(rng: random.Random, target: dict, objects: list[dict]) -> tuple[str, str]:
+    """(expression, kind) naming ``target`` and no other object of ``objects``: "red square" (colour+shape),
+    "square" (shape), "red object" (colour), "small square" (size+shape) or "square at the top left"
+    (shape+position), one of those that are unambiguous in the scene, drawn with ``rng`` (cmoe_refloc's
+    expressions, and the refloc conversations of ``scenes_chat``)."""
+    unique = lambda **kv: sum(all(o[k] == v for k, v in kv.items()) for o in objects) == 1
+    options = [(f"{target['colour']} {target['shape']}", "colour+shape")]
+    if unique(shape=target["shape"]):
+        options.append((target["shape"], "shape"))
+    if unique(colour=target["colour"]):
+        options.append((f"{target['colour']} object", "colour"))
+    if unique(size=target["size"], shape=target["shape"]):
+        options.append((f"{target['size']} {target['shape']}", "size+shape"))
+    if unique(position=target["position"]):
+        where = "in the center" if target["position"] == "center" else f"at the {target['position']}"
+        options.append((f"{target['shape']} {where}", "shape+position"))
+    return rng.choice(options)
 
 
 def generate(n: int, seed: int, split: str = "train", max_objects: int = 5) -> Iterator[Sample]:

@@ -15,10 +15,10 @@ from pathlib import Path
 
 from PIL import Image
 
+from data_pipelines import prompts
 from data_pipelines.jsonl import read_json_lines
-from data_pipelines.tokenizer import IMAGE_TOKEN
 from eval import metrics
-from eval.eval_data import LONGDOC_PAGES, NIAH_DEPTHS, NIAH_LENGTHS, NIAH_MODALITIES
+from eval.eval_data import LONGDOC_PAGES, NIAH_DEPTHS, NIAH_LENGTHS, NIAH_MODALITIES, SCENEQA_TYPES
 
 logger = logging.getLogger("lmms-eval")
 
@@ -26,6 +26,7 @@ REQUIRED = {
     "cmoe_longdoc": ("id", "pages", "question", "answer", "num_pages"),
     "cmoe_niah": ("id", "segments", "question", "answer", "depth", "length", "modality"),
     "cmoe_refloc": ("id", "image", "expression", "bbox"),
+    "cmoe_sceneqa": ("id", "image", "question", "answer", "type"),
 }
 MAX_LISTED = 5
 
@@ -107,9 +108,11 @@ def _open(path: str) -> Image.Image:
 # Prompts and visuals
 
 
-def _affixes(kwargs: dict | None) -> tuple[str, str]:
+def _affixed(text: str, kwargs: dict | None) -> str:
+    """The builder's text (``data_pipelines.prompts``, instruction included) inside the YAML's ``pre_prompt`` /
+    ``post_prompt`` (empty in the shipped YAMLs: extra affixes for experiments only)."""
     kwargs = kwargs or {}
-    return kwargs.get("pre_prompt", ""), kwargs.get("post_prompt", "")
+    return kwargs.get("pre_prompt", "") + text + kwargs.get("post_prompt", "")
 
 
 def longdoc_visual(doc: dict) -> list[Image.Image]:
@@ -118,9 +121,8 @@ def longdoc_visual(doc: dict) -> list[Image.Image]:
 
 
 def longdoc_text(doc: dict, lmms_eval_specific_kwargs: dict | None = None) -> str:
-    """One ``<image>`` per page (one per line), then the question."""
-    pre, post = _affixes(lmms_eval_specific_kwargs)
-    return pre + "".join(f"{IMAGE_TOKEN}\n" for _ in doc["pages"]) + doc["question"] + post
+    """One ``<image>`` per page (one per line), then the question and the instruction (``prompts.longdoc``)."""
+    return _affixed(prompts.longdoc(len(doc["pages"]), doc["question"]), lmms_eval_specific_kwargs)
 
 
 def niah_visual(doc: dict) -> list[Image.Image]:
@@ -129,10 +131,10 @@ def niah_visual(doc: dict) -> list[Image.Image]:
 
 
 def niah_text(doc: dict, lmms_eval_specific_kwargs: dict | None = None) -> str:
-    """The interleaved context (text paragraphs and ``<image>`` markers, one per line), then the question."""
-    pre, post = _affixes(lmms_eval_specific_kwargs)
-    context = "\n".join(IMAGE_TOKEN if seg.get("image") else seg["text"] for seg in doc["segments"])
-    return f"{pre}{context}\n{doc['question']}{post}"
+    """The interleaved context (text paragraphs and ``<image>`` markers, one per line), then the question and the
+    instruction (``prompts.niah``)."""
+    context = [None if seg.get("image") else seg["text"] for seg in doc["segments"]]
+    return _affixed(prompts.niah(context, doc["question"]), lmms_eval_specific_kwargs)
 
 
 def refloc_visual(doc: dict) -> list[Image.Image]:
@@ -141,9 +143,16 @@ def refloc_visual(doc: dict) -> list[Image.Image]:
 
 
 def refloc_text(doc: dict, lmms_eval_specific_kwargs: dict | None = None) -> str:
-    """The scene, then the box question about the referring expression."""
-    pre, post = _affixes(lmms_eval_specific_kwargs)
-    return f"{pre}{IMAGE_TOKEN}\nWhere is the {doc['expression']}?{post}"
+    """The scene, then the box question about the referring expression and the instruction (``prompts.refloc``)."""
+    return _affixed(prompts.refloc(doc["expression"]), lmms_eval_specific_kwargs)
+
+
+sceneqa_visual = refloc_visual  # the scene
+
+
+def sceneqa_text(doc: dict, lmms_eval_specific_kwargs: dict | None = None) -> str:
+    """The scene, then the question and the instruction (``prompts.sceneqa``)."""
+    return _affixed(prompts.sceneqa(doc["question"]), lmms_eval_specific_kwargs)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -178,6 +187,13 @@ def niah_results(doc: dict, results) -> dict:
 def refloc_results(doc: dict, results) -> dict:
     """IoU, ACC@0.1..0.9 and Center_ACC of the first ``[x1, y1, x2, y2]`` in the answer."""
     return metrics.box_scores(doc["bbox"], metrics.parse_box(_first(results)))
+
+
+def sceneqa_results(doc: dict, results) -> dict:
+    """``acc`` (normalised exact match, ``metrics.short_answer_match``) and the same score tagged with the question
+    type for ``acc_count`` / ``acc_colour`` / ``acc_shape`` / ``acc_position``."""
+    score = metrics.short_answer_match(_first(results), doc["answer"])
+    return {"acc": score} | {f"acc_{t}": {"score": score, "type": doc["type"]} for t in SCENEQA_TYPES}
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -114,7 +114,8 @@ def test_two_ranks_disjoint_and_complete(tmp_path, tok, n_shards, num_workers):
     assert min(len(s) for s in seen) > 0
 
 
-WANT = {"truncated_tar": 1, "bad_image": 2, "bad_json": 1, "image_too_large": 1, "too_long": 1, "missing_field": 1}
+PLANTED = {"truncated_tar": 1, "bad_image": 2, "bad_json": 1, "image_too_large": 1, "too_long": 1, "missing_field": 1}
+WANT = {**dict.fromkeys(SKIP_KINDS, 0), **PLANTED}  # every kind reported, the planted ones exactly
 
 
 @pytest.mark.parametrize(

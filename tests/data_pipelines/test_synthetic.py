@@ -5,12 +5,16 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from data_pipelines import prompts
 from data_pipelines.local_text import load_local_text_corpus
 from data_pipelines.schema import encode_sample
 from data_pipelines.synthetic import GENERATORS, generate, interleave, needles, scenes
 
 KINDS = sorted(GENERATORS)
-N = {"scenes": 12, "documents": 3, "needles": 4, "text": 12}
+INSTRUCTIONS = (
+    prompts.SCENEQA_INSTRUCTION, prompts.REFLOC_INSTRUCTION, prompts.LONGDOC_INSTRUCTION, prompts.NIAH_INSTRUCTION
+)  # fmt: skip
+N = {"scenes": 12, "documents": 3, "needles": 4, "text": 12, "scenes_chat": 12, "documents_chat": 3, "needles_chat": 4}
 
 
 def _bytes(samples) -> list[dict]:
@@ -46,11 +50,20 @@ def test_train_and_eval_are_disjoint(kind):
     assert len(train) == len(evaluation) == N[kind]
     assert {s.key for s in train}.isdisjoint(s.key for s in evaluation)
     assert {_content(s) for s in train}.isdisjoint(_content(s) for s in evaluation)
-    train_parts = {seg.image or seg.text for s in train for seg in s.segments}
-    eval_parts = {seg.image or seg.text for s in evaluation for seg in s.segments}
+    train_parts = {seg.image or seg.text for s in train for seg in s.all_segments}
+    eval_parts = {seg.image or seg.text for s in evaluation for seg in s.all_segments}
     shared = train_parts & eval_parts
-    # Only fixed question texts (documents: "What is the code word on page 1?") may recur across splits.
-    assert all(isinstance(p, str) and p.startswith("What is the") for p in shared), shared
+    # Only fixed question texts (documents: "What is the code word on page 1?") may recur across splits, and in
+    # conversations the text around them (line breaks, instruction) and short answers ("2", "red").
+    fixed = [qa["q"] for s in train + evaluation for qa in s.qa] + list(INSTRUCTIONS)
+    answers = {qa["a"] for s in train + evaluation for qa in s.qa}
+
+    def allowed(part: str) -> bool:
+        for text in fixed:
+            part = part.replace(text, "")
+        return part.startswith("What is the") or not part.strip() or part in answers
+
+    assert all(isinstance(p, str) and allowed(p) for p in shared), shared
 
 
 @pytest.mark.parametrize("kind", ["scenes", "needles"])

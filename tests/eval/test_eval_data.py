@@ -7,10 +7,30 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
-from data_pipelines import synthetic
-from eval.eval_data import TASKS, TASKS_DIR, write_eval_sets
+from data_pipelines import prompts, synthetic
+from data_pipelines.chat import turn_text
+from data_pipelines.synthetic import conversations
+from eval import metrics
+from eval.eval_data import NIAH_LENGTHS, SCENEQA_TYPES, TASKS, TASKS_DIR, write_eval_sets
 from eval.tasks import common
+
+
+class _TaskLoader(yaml.SafeLoader):
+    """Reads a task YAML, ``!function`` tags as plain strings."""
+
+
+_TaskLoader.add_multi_constructor("!", lambda loader, suffix, node: loader.construct_scalar(node))
+
+
+def _task_yaml(task) -> dict:
+    return yaml.load((TASKS_DIR / task / f"{task}.yaml").read_text(), Loader=_TaskLoader)
+
+
+def _yaml_kwargs(task) -> dict:
+    """The YAML's ``lmms_eval_specific_kwargs`` (pre / post affixes), as lmms-eval passes them to doc_to_text."""
+    return _task_yaml(task)["lmms_eval_specific_kwargs"]["default"]
 
 
 def _digest_tree(root):
@@ -105,10 +125,109 @@ def test_script_default_out_is_relative_to_the_current_directory(tmp_path):
     repo = Path(__file__).resolve().parents[2]
     shipped = sorted(p.name for p in (TASKS_DIR / "cmoe_refloc").iterdir())
     script = repo / "scripts" / "make_eval_data.py"
-    cmd = [sys.executable, str(script), "--tasks", "cmoe_refloc", "--refloc-n", "2"]
+    cmd = [sys.executable, str(script), "--tasks", "cmoe_refloc,cmoe_sceneqa", "--refloc-n", "2", "--sceneqa-n", "1"]
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     subprocess.run(cmd, cwd=tmp_path, env=env, check=True, capture_output=True, timeout=120)
     task = tmp_path / "eval" / "tasks" / "cmoe_refloc"
     assert len(_docs(tmp_path / "eval" / "tasks", "cmoe_refloc")) == 2
     assert (task / "cmoe_refloc.yaml").is_file() and (task / "utils.py").is_file()
+    sceneqa = json.loads((tmp_path / "eval" / "tasks" / "cmoe_sceneqa" / "data" / "manifest.json").read_text())
+    assert sceneqa["options"]["n"] == 1 and sceneqa["chance"]["acc_count"] == 1.0  # one count doc: its answer
     assert sorted(p.name for p in (TASKS_DIR / "cmoe_refloc").iterdir()) == shipped  # the package is untouched
+
+
+def _conversations(kind: str, generator: dict, **options) -> list:
+    """``kind``'s conversations on the generator sample an eval doc was made from (its recorded kind, seed, split
+    and index)."""
+    g = generator
+    *_, base = synthetic.generate(g["kind"], g["index"] + 1, g["seed"], g["split"], **options)
+    return conversations.conversations(kind, base, g["seed"], g["split"], g["index"])
+
+
+def _user_turn(kind: str, generator: dict, question: str, **options):
+    (conv,) = [c for c in _conversations(kind, generator, **options) if c.meta["question"] == question]
+    return conv.turns[0]
+
+
+def _image_bytes(segments) -> list[bytes]:
+    return [seg.image for seg in segments if seg.image is not None]
+
+
+def test_chat_kinds_speak_the_tasks_language(eval_tasks_dir):
+    """The user turn of each chat kind's conversation on an eval doc's base sample is exactly the task's
+    ``doc_to_text`` (with the YAML's affixes), and carries the doc's images in order."""
+    root = eval_tasks_dir
+    data = lambda task: root / task / "data"
+    read = lambda task, rel: (data(task) / rel).read_bytes()
+    for doc in _docs(root, "cmoe_sceneqa"):
+        user = _user_turn("scenes_chat", doc["generator"], doc["question"])
+        assert turn_text(user) == common.sceneqa_text(doc, _yaml_kwargs("cmoe_sceneqa"))
+        assert turn_text(user) == prompts.sceneqa(doc["question"])
+        assert _image_bytes(user.segments) == [read("cmoe_sceneqa", doc["image"])]
+    for doc in _docs(root, "cmoe_longdoc"):
+        pages = doc["num_pages"]
+        user = _user_turn("documents_chat", doc["generator"], doc["question"], min_pages=pages, max_pages=pages)
+        assert turn_text(user) == common.longdoc_text(doc, _yaml_kwargs("cmoe_longdoc"))
+        assert _image_bytes(user.segments) == [read("cmoe_longdoc", p) for p in doc["pages"]]
+    for doc in _docs(root, "cmoe_niah"):
+        units = NIAH_LENGTHS[doc["length"]]
+        user = _user_turn("needles_chat", doc["generator"], doc["question"], min_units=units, max_units=units)
+        assert turn_text(user) == common.niah_text(doc, _yaml_kwargs("cmoe_niah"))
+        assert _image_bytes(user.segments) == [read("cmoe_niah", s["image"]) for s in doc["segments"] if s.get("image")]
+    # refloc: the eval doc draws its own target; the scenes_chat box question goes through the same builder
+    for doc in _docs(root, "cmoe_refloc"):
+        refloc = [c for c in _conversations("scenes_chat", doc["generator"]) if c.meta["task"] == "refloc"]
+        for conv in refloc:
+            as_doc = {"expression": conv.meta["expression"]}
+            assert turn_text(conv.turns[0]) == common.refloc_text(as_doc, _yaml_kwargs("cmoe_refloc"))
+            assert metrics.parse_box(turn_text(conv.turns[1])) == [round(v, 2) for v in conv.qa[0]["box"]]
+        assert common.refloc_text(doc, _yaml_kwargs("cmoe_refloc")) == prompts.refloc(doc["expression"])
+        assert _image_bytes(refloc[0].turns[0].segments) == [read("cmoe_refloc", doc["image"])]
+
+
+def test_sceneqa_docs(eval_tasks_dir):
+    docs = _docs(eval_tasks_dir, "cmoe_sceneqa")
+    by_scene = {}
+    for d in docs:
+        by_scene.setdefault(d["generator"]["index"], []).append(d)
+        assert d["answer"] == d["answer"].lower() and d["group"] == d["type"] in SCENEQA_TYPES
+        assert common.sceneqa_text(d).endswith(f"\n{d['question']}\n{prompts.SCENEQA_INSTRUCTION}")
+    assert sorted(by_scene) == [0, 1, 2] and len({d["id"] for d in docs}) == len(docs)
+    for scene_docs in by_scene.values():
+        g = scene_docs[0]["generator"]
+        *_, sample = synthetic.generate(g["kind"], g["index"] + 1, g["seed"], g["split"])
+        types = [qa["type"] for qa in sample.qa]
+        assert [d["type"] for d in scene_docs] == [t for t in SCENEQA_TYPES if t in types]  # one doc per type, in order
+        assert all({"q": d["question"], "a": d["answer"], "type": d["type"]} in sample.qa for d in scene_docs)
+    scores = common.sceneqa_results(docs[0], [docs[0]["answer"].upper() + ". "])
+    assert scores["acc"] == 1.0 and scores[f"acc_{docs[0]['type']}"] == {"score": 1.0, "type": docs[0]["type"]}
+    assert common.sceneqa_results(docs[0], ["no idea"])["acc"] == 0.0
+
+
+def test_manifests_hold_the_chance_level_of_every_metric(eval_tasks_dir):
+    for task in TASKS:
+        manifest = json.loads((eval_tasks_dir / task / "data" / "manifest.json").read_text())
+        names = [m["metric"] for m in _task_yaml(task)["metric_list"]]
+        assert sorted(manifest["chance"]) == sorted(names) == sorted(manifest["chance_constant"]), task
+        assert all(v is None or 0.0 <= v <= 1.0 for v in manifest["chance"].values()), manifest["chance"]
+    # recomputed by hand: the majority answer's share per sceneqa type, each type's own majority for acc
+    docs = _docs(eval_tasks_dir, "cmoe_sceneqa")
+    chance = json.loads((eval_tasks_dir / "cmoe_sceneqa" / "data" / "manifest.json").read_text())["chance"]
+    hits = 0
+    for t in SCENEQA_TYPES:
+        answers = [d["answer"] for d in docs if d["type"] == t]
+        best = max((answers.count(a) for a in set(answers)), default=0)
+        hits += best
+        assert chance[f"acc_{t}"] == (pytest.approx(best / len(answers)) if answers else None)
+    assert chance["acc"] == pytest.approx(hits / len(docs))
+    # refloc: the chosen constant box scores what the manifest says, and no worse than the mean box
+    docs = _docs(eval_tasks_dir, "cmoe_refloc")
+    manifest = json.loads((eval_tasks_dir / "cmoe_refloc" / "data" / "manifest.json").read_text())
+    mean_box = [sum(d["bbox"][k] for d in docs) / len(docs) for k in range(4)]
+    for metric, answer in manifest["chance_constant"].items():
+        scored = [common.refloc_results(d, [answer])[metric] for d in docs]
+        assert manifest["chance"][metric] == pytest.approx(sum(scored) / len(docs))
+        mean_scores = [metrics.box_scores(d["bbox"], mean_box)[metric] for d in docs]
+        assert manifest["chance"][metric] >= sum(mean_scores) / len(docs) - 0.02  # the grid / rounding may lose a bit
+    niah = json.loads((eval_tasks_dir / "cmoe_niah" / "data" / "manifest.json").read_text())["chance"]
+    assert niah["acc"] == 0.5 and niah["acc_image"] is None  # 2 distinct answers; no image needle in 2 docs

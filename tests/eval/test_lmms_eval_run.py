@@ -1,5 +1,5 @@
-"""A real ``python -m lmms_eval`` run of the three local tasks with the tiny checkpoint (--limit 2), the per-sample
-R records it leaves next to the results, and the R report over that folder."""
+"""A real ``python -m lmms_eval`` run of the four local tasks with the tiny checkpoint (--limit 2), the per-sample
+R records it leaves next to the results, the R report over that folder and the score table (score, chance, R)."""
 
 import json
 import math
@@ -13,11 +13,12 @@ import pytest
 from eval.r_report import write_report
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-TASKS = ("cmoe_longdoc", "cmoe_niah", "cmoe_refloc")
+TASKS = ("cmoe_longdoc", "cmoe_niah", "cmoe_refloc", "cmoe_sceneqa")
 METRICS = {
     "cmoe_longdoc": ["anls", "exact_match", "anls_pages_1", "anls_pages_2", "exact_match_pages_1"],
     "cmoe_niah": ["acc", "acc_text", "acc_depth_0", "acc_depth_10", "acc_len_short"],
     "cmoe_refloc": ["IoU", "ACC@0.1", "ACC@0.3", "ACC@0.5", "ACC@0.7", "ACC@0.9", "Center_ACC"],
+    "cmoe_sceneqa": ["acc", "acc_count"],  # --limit 2: scene 0's first two docs (count, then its next type)
 }
 
 
@@ -65,3 +66,16 @@ def test_per_sample_r_records_and_report(lmms_run):
     assert set(tasks["cmoe_longdoc"]["groups"]) == {"pages=1", "pages=2"}
     assert "anls" in tasks["cmoe_longdoc"]["groups"]["pages=2"]["scores"]  # joined from lmms-eval's sample log
     assert (lmms_run / "r_report.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_score_table(lmms_run, eval_tasks_dir):
+    from eval.score_table import rows, write_table
+
+    table = rows(lmms_run, eval_tasks_dir)
+    assert sorted({r["task"] for r in table}) == list(TASKS)
+    for row in table:
+        assert row["chance"] is None or 0.0 <= row["chance"] <= 1.0, row  # None: a bucket the data does not hold
+        assert row["r"] is not None and row["r"] >= 1.0 and row["r_image"] is not None, row
+    assert all(r["chance"] is not None for r in table if r["metric"] in ("acc", "anls", "IoU"))
+    text = write_table(lmms_run, eval_tasks_dir)
+    assert len(text.splitlines()) == len(table) + 2 and (lmms_run / "score_table.md").is_file()

@@ -67,3 +67,24 @@ def test_buckets_and_grid():
         {"length": "short", "depth": 0.0, "n": 1, "score": 1.0},
         {"length": "short", "depth": 0.5, "n": 1, "score": 1.0},
     ]
+
+
+def test_short_answer_match():
+    assert metrics.short_answer_match("  Top Left. ", "top left") == 1.0
+    assert metrics.short_answer_match("3", "3") == 1.0 and metrics.short_answer_match("3.", "3") == 1.0
+    assert metrics.short_answer_match("red square", "red") == 0.0  # exact, not contained
+    assert metrics.short_answer_match("", "red") == 0.0
+
+
+def test_chance_best_constants():
+    from eval import chance
+
+    subsets = {"all": [True] * 4, "first": [1, 0, 0, 0], "none": [0] * 4}
+    found = chance.best_constant_answer(["a", "b", "b", "c"], metrics.exact_match, subsets)
+    assert found == {"all": (0.5, "b"), "first": (1.0, "a"), "none": (None, None)}  # the majority's share
+    answers, groups = ["1", "1", "red", "blue"], ["n", "n", "c", "c"]
+    value, constants = chance.best_constant_per_group(answers, groups, metrics.short_answer_match)
+    assert value == 0.75 and constants == {"c": "blue", "n": "1"}  # tie in group c: the first in sorted order
+    boxes = chance.best_constant_boxes([[0.1, 0.1, 0.3, 0.3]] * 3 + [[0.6, 0.6, 0.9, 0.9]])
+    assert boxes["IoU"] == (pytest.approx(0.75), "[0.10, 0.10, 0.30, 0.30]")  # the grid holds the majority box
+    assert boxes["Center_ACC"][0] == 0.75 and boxes["ACC@0.9"][0] == 0.75  # disjoint boxes: 3 of 4 at best

@@ -67,9 +67,10 @@ def test_loglikelihood_batched_matches_direct_forward(plugin):
     single = plugin.loglikelihood(reqs)
     for (a, ga), (b, gb) in zip(batched, single):
         assert a == pytest.approx(b, abs=1e-4) and ga == gb and a < 0
-    # direct: tokens of " modules" after the context, from one unpadded forward
+    # direct: tokens of " modules" after the context (as a chat user turn + assistant header), one unpadded forward
     tok, model = plugin.processor.tokenizer, plugin.model
-    ctx = tok("A long context about docstrings and", add_special_tokens=False)["input_ids"]
+    prompt = "<|user|>A long context about docstrings and<|end|><|assistant|>"
+    ctx = tok(prompt, add_special_tokens=False)["input_ids"]
     cont = tok(" modules", add_special_tokens=False)["input_ids"]
     ids = torch.tensor([ctx + cont])
     with torch.no_grad():
@@ -122,3 +123,53 @@ def test_ppl_on_text(tiny_checkpoint):
     out = evaluate_ppl(str(tiny_checkpoint), seq_len=16, texts=["def f(x):\n    return x + 1\n" * 4, "Hello."])
     assert out["predicted_tokens"] > 0 and 0 < out["bits_per_token"] < 20
     assert out["ppl"] == pytest.approx(2 ** out["bits_per_token"], rel=1e-6) and out["r"] >= 1
+
+
+def test_chat_template_modes_build_the_expected_prompt_ids(tiny_checkpoint, eval_tasks_dir, tmp_path):
+    """Default: the task context as one user message through the processor's chat template, generation prompt
+    appended (the training conversation's text up to the answer); ``chat_template=none``: the raw context."""
+    from data_pipelines.chat import END_OF_TURN, ROLE_TOKENS, render
+    from data_pipelines.synthetic import conversations, generate
+    from eval.tasks import common
+
+    data_dir = eval_tasks_dir / "cmoe_sceneqa" / "data"
+    docs, _ = common.parse_lines((data_dir / "test.jsonl").read_text().splitlines(), data_dir, "cmoe_sceneqa")
+    doc = docs[0]
+    context = common.sceneqa_text(doc)
+    g = doc["generator"]
+    *_, base = generate("scenes", g["index"] + 1, g["seed"], g["split"])
+    (conv,) = [c for c in conversations.conversations("scenes_chat", base, g["seed"], g["split"], g["index"])
+               if c.meta["question"] == doc["question"]]  # fmt: skip
+    prompts = {}
+    for mode in (None, "none"):
+        p = ConceptMoELMMs(pretrained=str(tiny_checkpoint), record_stats="false", chat_template=mode)
+        proc = p.processor
+        tok = proc.tokenizer
+        special = {t: tok.convert_tokens_to_ids(t) for t in (*ROLE_TOKENS.values(), END_OF_TURN)}
+        assert len(set(special.values()) | {tok.unk_token_id}) == 5  # four tokens of their own
+        p.task_dict = {"cmoe_sceneqa": {"test": [doc]}}
+        req = SimpleNamespace(args=(context, {"max_new_tokens": 1}, common.sceneqa_visual, 0, "cmoe_sceneqa", "test"))
+        (item,) = p._prepare([req])
+        assert item["error"] is None and len(item["images"]) == 1
+        enc = proc(text=[item["prompt"]], images=[item["images"]])
+        body = [proc.image_token_id] * int(enc["num_tokens"][0])
+        body += tok(context.removeprefix("<image>"), add_special_tokens=False)["input_ids"]
+        if mode is None:
+            body = [special["<|user|>"], *body, special["<|end|>"], special["<|assistant|>"]]
+        assert enc["input_ids"][0].tolist() == list(proc.prefix_ids) + body + list(proc.suffix_ids), mode
+        prompts[mode] = item["prompt"]
+        stops = gen.GenSettings.from_kwargs({"until": ["\n"]}, proc, gen.chat_stops(p.chat_template)).stop_token_ids
+        assert tok.eos_token_id in stops and (special["<|end|>"] in stops) == (mode is None)
+    assert prompts["none"] == context
+    assert prompts[None] == f"<|user|>{context}<|end|><|assistant|>"
+    assert prompts[None] == render(conv.turns[:1], add_generation_prompt=True)  # the scenes_chat conversation's
+    assert render(conv.turns).startswith(prompts[None])  # training text = eval prompt + answer + <|end|>
+    # the fallback for a processor without a template, and a template file, render the same string
+    assert gen.chat_prompt(SimpleNamespace(), context, gen.DEFAULT_TEMPLATE) == prompts[None]
+    from data_pipelines.chat import CHAT_TEMPLATE
+
+    template = tmp_path / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    assert gen.chat_prompt(SimpleNamespace(), context, gen.resolve_chat_template(str(template))) == prompts[None]
+    with pytest.raises(ValueError, match="chat_template"):
+        gen.resolve_chat_template("/nonexistent/template.jinja")

@@ -195,7 +195,7 @@ def test_invalid_settings_name_the_argument(kwargs, name):
 def test_save_and_load(tmp_path):
     proc = ImageProcessor(14, 100, 1, mean=(0.1, 0.2, 0.3), std=(0.4, 0.5, 0.6), upscale=True)
     path = proc.save_pretrained(tmp_path / "proc")
-    assert path.name == "image_processor_config.json"
+    assert path.name == "preprocessor_config.json"  # transformers' file name (image_processor_config.json before)
     assert json.loads(path.read_text())["max_patches"] == 100 and json.loads(path.read_text())["upscale"]
     loaded = ImageProcessor.from_pretrained(tmp_path / "proc")
     assert loaded.to_dict() == proc.to_dict()

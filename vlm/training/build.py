@@ -17,7 +17,9 @@ from vlm.training.config import ConfigError
 
 # What ``model.overrides`` may change on a loaded checkpoint: the chunking settings ``set_chunking`` takes (training
 # fields that never change a weight shape).
-INIT_OVERRIDABLE = CHUNKING_SETTINGS
+# plus the VLM's training switches (stage 2 unfreezes what stage 1 froze).
+VLM_OVERRIDABLE = ("freeze_vision", "freeze_backbone", "modality_boundaries")
+INIT_OVERRIDABLE = (*CHUNKING_SETTINGS, *VLM_OVERRIDABLE)
 
 
 def init_from_checkpoint(config: dict, processor: VLMProcessor) -> ConceptMoEVLM:
@@ -49,26 +51,32 @@ def init_from_checkpoint(config: dict, processor: VLMProcessor) -> ConceptMoEVLM
                 f"model.overrides.{name} cannot change a loaded checkpoint (model.init_from); allowed: "
                 + ", ".join(INIT_OVERRIDABLE)
             )
+    vlm_switches = {k: bool(overrides.pop(k)) for k in VLM_OVERRIDABLE if k in overrides}
     try:
         model.set_chunking(**overrides)
     except ValueError as err:
         raise ConfigError(f"model.overrides: {err}") from None
+    for name, value in vlm_switches.items():
+        setattr(model.config, name, value)
+    model.apply_freezing()
     return model
 
 
 def build_model(config: dict) -> tuple[ConceptMoEVLM, VLMProcessor]:
     """The model and its processor from ``model.preset`` / ``model.overrides`` (or ``model.init_from``) and the
-    tokenizer."""
+    tokenizer; the model carries the tokenizer's bos / eos (``<|end|>`` and end of text) / pad ids."""
     data = config["data"]
     processor = VLMProcessor(load_tokenizer(data["tokenizer"]), ImageProcessor(max_patches=data["max_patches"]))
     torch.manual_seed(config["train"]["seed"])  # identical initial weights on every rank
     if config["model"]["init_from"]:
-        return init_from_checkpoint(config, processor), processor
+        model = init_from_checkpoint(config, processor)
+        model.set_special_token_ids(**processor.special_token_ids)
+        return model, processor
     model = ConceptMoEVLM.from_preset(
         config["model"]["preset"],
         image_token_id=processor.image_token_id,
         vocab_size=len(processor.tokenizer),
         max_patches=data["max_patches"],
-        **config["model"]["overrides"],
+        **{**processor.special_token_ids, **config["model"]["overrides"]},
     )
     return model, processor

@@ -24,6 +24,7 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "num_workers": (0, (int,)),
         "max_patches": (64, (int,)),
         "split_documents": (False, (bool,)),
+        "loss_on": ("auto", (str,)),  # auto | all | assistant (data_pipelines.packing.LOSS_ON)
     },
     "train": {
         "max_steps": (REQUIRED, (int,)),
@@ -47,6 +48,9 @@ POSITIVE = {
     "data.seq_len", "data.batch_size", "data.max_patches", "train.max_steps", "train.save_every", "train.grad_accum",
     "train.keep_last", "train.log_every", "train.max_nonfinite", "train.eval_batches",
 }  # fmt: skip
+
+
+CHOICES = {"data.loss_on": ("auto", "all", "assistant")}  # data_pipelines.packing.LOSS_ON
 
 
 class ConfigError(ValueError):
@@ -116,6 +120,8 @@ def resolve(raw: dict) -> dict:
                 raise ConfigError(f"config field '{key}' must be {allowed}, got {type(value).__name__} {value!r}")
             if key in POSITIVE and value < 1:
                 raise ConfigError(f"config field '{key}' must be >= 1, got {value!r}")
+            if key in CHOICES and value not in CHOICES[key]:
+                raise ConfigError(f"config field '{key}' must be one of {', '.join(CHOICES[key])}, got {value!r}")
             out[section][name] = value
     for key in ("shards", "eval_shards"):
         if isinstance(out["data"][key], str):

@@ -1,4 +1,7 @@
-"""Export a checkpoint to one HF folder: ``ConceptMoEVLM.save_pretrained`` + ``VLMProcessor.save_pretrained``.
+"""Export a checkpoint to one HF folder: ``ConceptMoEVLM.save_pretrained`` + ``VLMProcessor.save_pretrained``
+(``config.json``, ``generation_config.json``, ``model.safetensors``, the tokenizer's files, ``processor_config.json``,
+``chat_template.jinja``); after ``import vlm`` it loads with ``AutoProcessor`` / ``AutoModelForImageTextToText`` or
+``pipeline("image-text-to-text", model=DIR)``.
 
 Works for every ZeRO stage: the full fp32 weights are gathered from the checkpoint files
 (``deepspeed.utils.zero_to_fp32``), in one process, no launcher needed.
@@ -49,6 +52,8 @@ def export_checkpoint(run_dir: str, out_dir: str, tag: str | None = None) -> str
         raise RuntimeError(
             f"checkpoint {tag} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
+    # as HF's VLMs: config.json / generation_config.json carry the tokenizer's ids, so generate() stops at <|end|>
+    model.set_special_token_ids(**processor.special_token_ids)
     model.save_pretrained(out_dir)
     processor.save_pretrained(out_dir)
     log.info("exported %s/%s to %s", root, tag, out_dir)

@@ -68,7 +68,7 @@ def make_loader(config: dict, processor, shards: list[str], rank: int, world_siz
         shards, processor.tokenizer, processor.image_processor, seq_len=data["seq_len"],
         batch_size=data["batch_size"], rank=rank, world_size=world_size, num_workers=data["num_workers"],
         seed=config["train"]["seed"], image_token_id=processor.image_token_id, shuffle=shuffle,
-        split_documents=data["split_documents"],
+        split_documents=data["split_documents"], loss_on=data["loss_on"],
     )  # fmt: skip
 
 

@@ -1,0 +1,116 @@
+"""Instruction data in the evaluation tasks' language: conversations built on the base generators' samples.
+
+- ``scenes_chat``: per scene, one conversation per ``qa`` item: the count / colour / shape / position questions as
+  ``cmoe_sceneqa`` asks them (:func:`data_pipelines.prompts.sceneqa`), the box item as ``cmoe_refloc`` asks it
+  (:func:`data_pipelines.prompts.refloc`) about the same object, named by a referring expression drawn like the
+  task's (:func:`data_pipelines.synthetic.scenes.referring_expression`: "red square", "circle", "blue object",
+  "small star", "triangle at the top left");
+- ``documents_chat``: the code-word question of each document (``cmoe_longdoc``, ``prompts.longdoc``);
+- ``needles_chat``: the needle question of each haystack (``cmoe_niah``, ``prompts.niah``).
+
+Each sample is a conversation (``Sample.turns``, empty ``segments``): a user turn, the builder's text split at
+``<image>`` into text segments and the base sample's images in order, then an assistant turn with the answer
+exactly as the base ``qa`` item gives it. ``meta``: ``kind`` (the kind above), ``task`` (sceneqa / refloc /
+longdoc / niah), ``type`` (the qa type), ``source`` (the base sample's key), ``index`` (the base sample's index),
+``question``, and ``expression`` for refloc; ``qa``: the one item asked.
+
+Sample ``j`` of ``generate(n, seed, split)`` is the ``j``-th conversation of the base stream
+``<base>.generate(..., seed, split)``, so it depends only on (kind, seed, split, j) and the first ``k`` of
+``generate(n)`` are ``generate(k)``; train and eval are the base generators' splits, as disjoint as they are.
+Keys: ``<kind>-<split>-s<seed>-<base index>-<k>`` (``k``: the conversation's place among its base sample's).
+Options (``min_pages``, ``max_units``, ...) go to the base generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from data_pipelines import prompts
+from data_pipelines.schema import Sample, Segment, Turn
+from data_pipelines.synthetic import documents, needles, scenes
+from data_pipelines.synthetic._common import check_split, sample_key, sample_rng
+
+# (user text, answer, the qa item asked, extra meta) of one conversation
+Item = tuple[str, str, dict, dict]
+
+
+def scene_items(base: Sample, seed: int, split: str, index: int) -> list[Item]:
+    """The conversations of one scene: sceneqa for the count / colour / shape / position items, refloc for the box
+    item (its expression drawn from the stream of (``scenes_chat``, seed, split, index))."""
+    objects = base.meta["objects"]
+    out = []
+    for qa in base.qa:
+        if qa["type"] in prompts.SCENEQA_TYPES:
+            out.append((prompts.sceneqa(qa["q"]), qa["a"], dict(qa), {"task": "sceneqa", "question": qa["q"]}))
+        elif qa["type"] == "box":
+            target = next(o for o in objects if o["box"] == qa["box"])
+            rng = sample_rng("scenes_chat", seed, split, index)
+            expression, how = scenes.referring_expression(rng, target, objects)
+            question = prompts.refloc_question(expression)
+            item = {"type": "box", "q": question, "a": qa["a"], "box": qa["box"]}
+            meta = {"task": "refloc", "question": question, "expression": expression, "expression_kind": how}
+            out.append((prompts.refloc(expression), qa["a"], item, meta))
+    return out
+
+
+def document_items(base: Sample, seed: int, split: str, index: int) -> list[Item]:
+    """The code-word question of one document."""
+    (qa,) = base.qa
+    return [
+        (prompts.longdoc(base.meta["num_pages"], qa["q"]), qa["a"], dict(qa), {"task": "longdoc", "question": qa["q"]})
+    ]
+
+
+def needle_items(base: Sample, seed: int, split: str, index: int) -> list[Item]:
+    """The needle question of one haystack (its context: every segment but the last, the question)."""
+    (qa,) = base.qa
+    context = [seg.text if seg.image is None else None for seg in base.segments[:-1]]
+    return [(prompts.niah(context, qa["q"]), qa["a"], dict(qa), {"task": "niah", "question": qa["q"]})]
+
+
+# kind -> (base generator, the conversations of one base sample)
+KINDS: dict[str, tuple[Callable[..., Iterator[Sample]], Callable[..., list[Item]]]] = {
+    "scenes_chat": (scenes.generate, scene_items),
+    "documents_chat": (documents.generate, document_items),
+    "needles_chat": (needles.generate, needle_items),
+}
+
+
+def conversations(kind: str, base: Sample, seed: int, split: str, index: int) -> list[Sample]:
+    """Every conversation ``kind`` makes of the base sample ``index`` of (seed, split)."""
+    _, items = KINDS[kind]
+    images = [seg for seg in base.segments if seg.image is not None]
+    out = []
+    for k, (text, answer, qa, extra) in enumerate(items(base, seed, split, index)):
+        turns = [Turn("user", prompts.segments(text, images)), Turn("assistant", [Segment(text=answer)])]
+        meta = {"kind": kind, **extra, "type": qa["type"], "source": base.key, "index": index}
+        key = f"{sample_key(kind, seed, split, index)}-{k}"
+        out.append(Sample(key=key, segments=[], meta=meta, qa=[qa], turns=turns))
+    return out
+
+
+def generate(kind: str, n: int, seed: int, split: str = "train", **options) -> Iterator[Sample]:
+    """The first ``n`` conversations of ``kind`` (every base sample gives at least one, so ``n`` base samples
+    always suffice)."""
+    check_split(split)
+    base_generate, _ = KINDS[kind]
+    if n <= 0:
+        return
+    made = 0
+    for index, base in enumerate(base_generate(n, seed, split, **options)):
+        for sample in conversations(kind, base, seed, split, index):
+            yield sample
+            made += 1
+            if made == n:
+                return
+
+
+def generator(kind: str) -> Callable[..., Iterator[Sample]]:
+    """``generate`` bound to ``kind``, with the signature of the registry's generators."""
+
+    def bound(n: int, seed: int, split: str = "train", **options) -> Iterator[Sample]:
+        return generate(kind, n, seed, split, **options)
+
+    bound.__name__ = bound.__qualname__ = f"generate_{kind}"
+    bound.__doc__ = f"``n`` {kind} conversations, deterministic from (seed, split); see {__name__}."
+    return bound

@@ -1,0 +1,142 @@
+"""One table of an evaluation: per task and metric the score, the chance level and the task's eval-mode R.
+
+    python scripts/score_table.py EVAL_OUTPUT_DIR [--tasks-dir eval/tasks] [--out FILE.md]
+
+Reads, under ``EVAL_OUTPUT_DIR`` (lmms-eval's ``--output_path``):
+
+- the newest lmms-eval ``*_results.json`` (by modification time, then name): the scores;
+- ``r_report.json`` (``scripts/r_report.py EVAL_OUTPUT_DIR`` writes it; the newest one when there are several),
+  ``eval.tasks.<task>.{r,r_text,r_image}.token_weighted`` (summed tokens / summed concepts over the task's
+  samples, measured on the prompt forward in eval mode), or, without it, the same summary computed from the
+  plugin's ``r_stats_<task>.jsonl`` in memory; R columns stay empty when neither exists;
+- ``TASKS_DIR/<task>/data/manifest.json`` (``scripts/make_eval_data.py`` writes it): ``chance`` per metric.
+
+Writes ``score_table.md`` (the markdown table) and ``score_table.json`` (the same rows) into ``EVAL_OUTPUT_DIR``
+and returns the markdown. Metrics the results report as NaN (a bucket without docs) are left out. The chance
+levels are those of the full eval set: a ``--limit`` run scores a subset of it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+from eval.eval_data import DEFAULT_OUT
+from eval.r_report_io import ReportInputError, _num, _read_results
+
+logger = logging.getLogger(__name__)
+
+COLUMNS = ("task", "metric", "score", "chance", "R total", "R text", "R image")
+R_KEYS = ("r", "r_text", "r_image")
+
+
+def newest(paths) -> Path | None:
+    """The most recently modified path (ties: the last name), or None."""
+    paths = sorted(paths, key=lambda p: (p.stat().st_mtime, p.name))
+    return paths[-1] if paths else None
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        logger.warning("%s: skipped (%s)", path, str(err).splitlines()[0])
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def task_r(eval_dir: Path) -> dict[str, dict[str, float | None]]:
+    """task -> {"r", "r_text", "r_image"}: token-weighted eval-mode R of the R report (file, else computed)."""
+    summary = None
+    report = newest(p for p in eval_dir.rglob("r_report.json") if p.is_file())
+    if report is not None:
+        summary = _read_json(report)
+    if summary is None and any(eval_dir.rglob("r_stats_*.jsonl")):
+        from eval.r_report import summarize
+        from eval.r_report_io import load_records
+
+        try:
+            summary = summarize(load_records(eval_dir))
+        except ReportInputError as err:
+            logger.warning("no R report: %s", err)
+    tasks = ((summary or {}).get("eval") or {}).get("tasks") or {}
+    out = {}
+    for task, entry in tasks.items():
+        out[task] = {}
+        for key in R_KEYS:
+            stats = entry.get(key) or {}
+            value = _num(stats.get("token_weighted"))
+            out[task][key] = value if value is not None else _num(stats.get("mean"))
+    return out
+
+
+def task_chance(tasks_dir: Path, task: str) -> dict[str, float | None]:
+    """metric -> chance level from the task's data manifest ({} when there is none)."""
+    path = tasks_dir / task / "data" / "manifest.json"
+    manifest = _read_json(path) if path.is_file() else None
+    if manifest is None:
+        logger.warning("%s: no manifest, chance levels left empty (run scripts/make_eval_data.py)", path)
+        return {}
+    return {m: _num(v) for m, v in (manifest.get("chance") or {}).items()}
+
+
+def rows(eval_dir: str | Path, tasks_dir: str | Path = DEFAULT_OUT) -> list[dict]:
+    """One row per (task, metric) of the newest results file: score, chance, R total / text / image."""
+    eval_dir, tasks_dir = Path(eval_dir), Path(tasks_dir)
+    if not eval_dir.is_dir():
+        raise ReportInputError(f"{eval_dir}: no such folder")
+    results_file = newest(p for p in eval_dir.rglob("*_results.json") if p.is_file())
+    if results_file is None:
+        raise ReportInputError(f"{eval_dir}: no lmms-eval *_results.json under this folder")
+    results = _read_results(results_file)
+    if not results:
+        raise ReportInputError(f"{results_file}: no task scores")
+    logger.info("scores from %s", results_file)
+    r = task_r(eval_dir)
+    out = []
+    for task in sorted(results):
+        chance = task_chance(tasks_dir, task)
+        task_r_values = r.get(task, {})
+        for metric, score in results[task].items():
+            out.append(
+                {
+                    "task": task,
+                    "metric": metric,
+                    "score": score,
+                    "chance": chance.get(metric),
+                    "r": task_r_values.get("r"),
+                    "r_text": task_r_values.get("r_text"),
+                    "r_image": task_r_values.get("r_image"),
+                }
+            )
+    return out
+
+
+def _cell(value, digits: int) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return ""
+    return f"{value:.{digits}f}" if isinstance(value, float | int) else str(value)
+
+
+def markdown(table: list[dict]) -> str:
+    """The rows as a markdown table (scores and chance with 3 decimals, R with 2)."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * 2 + "---:|" * 5]
+    for row in table:
+        cells = [row["task"], row["metric"], _cell(row["score"], 3), _cell(row["chance"], 3)]
+        cells += [_cell(row[k], 2) for k in R_KEYS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_table(eval_dir: str | Path, tasks_dir: str | Path = DEFAULT_OUT, out: str | Path | None = None) -> str:
+    """Build the table, write ``score_table.md`` and ``score_table.json`` (``out``: the markdown's path, default
+    ``EVAL_OUTPUT_DIR/score_table.md``; the JSON goes beside it) and return the markdown."""
+    table = rows(eval_dir, tasks_dir)
+    text = markdown(table)
+    md_path = Path(out) if out is not None else Path(eval_dir) / "score_table.md"
+    md_path.parent.mkdir(parents=True, exist_ok=True)
+    md_path.write_text(text, encoding="utf-8")
+    md_path.with_suffix(".json").write_text(json.dumps(table, indent=1, allow_nan=False) + "\n", encoding="utf-8")
+    return text

@@ -1,0 +1,83 @@
+"""``scripts/score_table.py`` on a synthetic lmms-eval output folder: the newest results, chance levels from the task
+manifests, R from the R report (or computed from the per-sample records)."""
+
+import json
+import os
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+from eval.score_table import markdown, rows, write_table
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "score_table.py"
+
+
+def _results(path: Path, scores: dict, mtime: float) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    results = {task: {"alias": task} | {f"{m},none": v for m, v in ms.items()} for task, ms in scores.items()}
+    for task in scores:
+        results[task]["acc_stderr,none"] = 0.1
+    path.write_text(json.dumps({"results": results}).replace("Infinity", "NaN"))
+    os.utime(path, (mtime, mtime))
+
+
+@pytest.fixture
+def folders(tmp_path):
+    out, tasks = tmp_path / "eval_out", tmp_path / "tasks"
+    model = out / "runs__demo__hf"
+    _results(model / "20250101_000000_results.json", {"cmoe_sceneqa": {"acc": 0.1}}, 1_000)
+    newest = {"cmoe_sceneqa": {"acc": 0.8, "acc_count": 0.9, "acc_shape": float("inf")}, "cmoe_refloc": {"IoU": 0.4}}
+    _results(model / "20250102_000000_results.json", newest, 2_000)  # NaN for acc_shape (no doc of that type)
+    for task, chance in (("cmoe_sceneqa", {"acc": 0.42, "acc_count": 0.3, "acc_shape": None}), ("cmoe_refloc", {})):
+        (tasks / task / "data").mkdir(parents=True)
+        (tasks / task / "data" / "manifest.json").write_text(json.dumps({"task": task, "chance": chance}))
+    report = {"eval": {"tasks": {"cmoe_sceneqa": {
+        "r": {"mean": 9.0, "token_weighted": 3.5}, "r_text": {"mean": 2.0, "token_weighted": 2.25},
+        "r_image": {"mean": 5.0, "token_weighted": None},
+    }}}}  # fmt: skip
+    (out / "r_report.json").write_text(json.dumps(report))
+    return out, tasks
+
+
+def test_table_from_newest_results_manifests_and_r_report(folders):
+    out, tasks = folders
+    table = rows(out, tasks)
+    got = {(r["task"], r["metric"]): r for r in table}
+    assert sorted(got) == [("cmoe_refloc", "IoU"), ("cmoe_sceneqa", "acc"), ("cmoe_sceneqa", "acc_count")]
+    assert got["cmoe_sceneqa", "acc"] == {"task": "cmoe_sceneqa", "metric": "acc", "score": 0.8,
+                                               "chance": 0.42, "r": 3.5, "r_text": 2.25, "r_image": 5.0}  # fmt: skip
+    assert got["cmoe_refloc", "IoU"]["chance"] is None and got["cmoe_refloc", "IoU"]["r"] is None
+    text = markdown(table)
+    assert text.splitlines()[0] == "| task | metric | score | chance | R total | R text | R image |"
+    assert "| cmoe_sceneqa | acc | 0.800 | 0.420 | 3.50 | 2.25 | 5.00 |" in text
+    assert "| cmoe_refloc | IoU | 0.400 |  |  |  |  |" in text
+    assert write_table(out, tasks) == text == (out / "score_table.md").read_text()
+    assert json.loads((out / "score_table.json").read_text()) == table
+
+
+def test_r_from_the_per_sample_records_without_a_report(folders):
+    out, tasks = folders
+    (out / "r_report.json").unlink()
+    records = [{"task": "cmoe_refloc", "doc_id": i, "tokens_by_modality": {"0": 30, "1": 60},
+                "concepts_by_modality": {"0": 10, "1": 10}} for i in range(2)]  # fmt: skip
+    (out / "runs__demo__hf" / "r_stats_cmoe_refloc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (row,) = [r for r in rows(out, tasks) if r["task"] == "cmoe_refloc"]
+    assert (row["r"], row["r_text"], row["r_image"]) == (pytest.approx(4.5), pytest.approx(3.0), pytest.approx(6.0))
+
+
+def test_script(folders, tmp_path, capsys, monkeypatch):
+    out, tasks = folders
+    monkeypatch.setattr(
+        sys, "argv", [str(SCRIPT), str(out), "--tasks-dir", str(tasks), "--out", str(tmp_path / "t.md")]
+    )
+    with pytest.raises(SystemExit) as done:
+        runpy.run_path(str(SCRIPT), run_name="__main__")
+    assert done.value.code == 0 and "| cmoe_sceneqa | acc_count | 0.900 | 0.300 |" in capsys.readouterr().out
+    assert (tmp_path / "t.md").is_file()
+    monkeypatch.setattr(sys, "argv", [str(SCRIPT), str(tmp_path / "empty")])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit) as done:
+        runpy.run_path(str(SCRIPT), run_name="__main__")
+    assert done.value.code == 2 and "no lmms-eval *_results.json" in capsys.readouterr().err
