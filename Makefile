@@ -72,9 +72,10 @@ demo: venv
 	@echo "lmms-eval:     $(DEMO_RUN)/eval (results, samples, R per task: r_report.json / .png)"
 	@echo "scores:        $(DEMO_RUN)/eval/score_table.md (score, chance, eval-mode R total / text / image)"
 
-instruct-long:
-	$(MAKE) demo DEMO_RUN=runs/instruct-long STAGE2=scripts/configs/stage2_long.yaml INSTRUCT_SAMPLES=4000 \
-		DEMO_DATA=data/instruct-long EVAL_LIMIT=200
+instruct-long: venv
+	test -f $(DEMO_DATA)/scenes_chat/train/manifest.json || $(BIN)/python scripts/make_shards.py \
+		--synthetic scenes_chat --out $(DEMO_DATA)/scenes_chat --num-samples 8000 --eval-samples 200 --seed 1
+	$(MAKE) demo DEMO_RUN=runs/instruct-long STAGE2=scripts/configs/stage2_long.yaml EVAL_LIMIT=100
 
 # The backbone alone: ConceptMoE vs its matched MoE on local text (~2 min).
 demo-backbone: venv

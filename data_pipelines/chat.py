@@ -55,8 +55,7 @@ def turns_from_messages(messages: list[dict]) -> list[Turn]:
         content = message["content"]
         parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
         segments = [
-            Segment(image=b"") if part.get("type") == "image" else Segment(text=part.get("text", ""))
-            for part in parts
+            Segment(image=b"") if part.get("type") == "image" else Segment(text=part.get("text", "")) for part in parts
         ]
         turns.append(Turn(role=message["role"], segments=segments))
     return turns

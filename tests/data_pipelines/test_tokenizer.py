@@ -9,6 +9,7 @@ import transformers
 from data_pipelines.local_text import load_local_text_corpus
 from data_pipelines.tokenizer import (
     BUILD_INFO_FILE,
+    CHAT_TOKENS,
     DEFAULT_TOKENIZER_DIR,
     SPECIAL_TOKENS,
     build_default_tokenizer,
@@ -33,9 +34,13 @@ def shipped():
 def test_load_tokenizer_offline_default(shipped, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     tok = load_tokenizer()
-    assert len(tok) == len(shipped) == json.loads((DEFAULT_TOKENIZER_DIR / BUILD_INFO_FILE).read_text())["vocab_size"]
+    bpe_vocab = json.loads((DEFAULT_TOKENIZER_DIR / BUILD_INFO_FILE).read_text())["vocab_size"]
+    assert len(tok) == len(shipped) == bpe_vocab + len(CHAT_TOKENS)
     assert [tok.pad_token, tok.eos_token, tok.unk_token, tok.bos_token] == ["<pad>", "<eos>", "<unk>", "<bos>"]
     assert tok.convert_tokens_to_ids(list(SPECIAL_TOKENS)) == [0, 1, 2, 3, 4]
+    # the chat tokens come after the BPE vocabulary (adding them moved no earlier id) and are never split
+    assert tok.convert_tokens_to_ids(list(CHAT_TOKENS)) == list(range(bpe_vocab, bpe_vocab + len(CHAT_TOKENS)))
+    assert all(t in tok.all_special_tokens for t in CHAT_TOKENS)
 
 
 def test_image_token_is_one_special_id(shipped):
@@ -68,7 +73,7 @@ def test_save_load_identity(shipped, tmp_path):
 def test_build_is_deterministic():
     a, b = build_default_tokenizer(vocab_size=512), build_default_tokenizer(vocab_size=512)
     assert a.backend_tokenizer.to_str() == b.backend_tokenizer.to_str()
-    assert len(a) == 512
+    assert len(a) == 512 + len(CHAT_TOKENS)  # the BPE vocabulary, then the chat tokens
 
 
 def test_rebuild_reproduces_shipped_tokenizer(tmp_path):
