@@ -18,10 +18,10 @@ with the processor and can be edited there.
 
 from __future__ import annotations
 
-from data_pipelines.schema import Segment, Turn
+from data_pipelines.schema import Turn
 from data_pipelines.tokenizer import CHAT_TOKENS, END_OF_TURN, IMAGE_TOKEN, ROLE_TOKENS
 
-__all__ = ["CHAT_TEMPLATE", "CHAT_TOKENS", "END_OF_TURN", "ROLE_TOKENS", "render", "turn_text", "turns_from_messages"]
+__all__ = ["CHAT_TEMPLATE", "CHAT_TOKENS", "END_OF_TURN", "ROLE_TOKENS", "render", "turn_text"]
 
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
@@ -46,16 +46,3 @@ def render(turns: list[Turn], add_generation_prompt: bool = False) -> str:
     """The template applied in Python (the Jinja ``CHAT_TEMPLATE`` renders the same string; a test checks it)."""
     text = "".join(ROLE_TOKENS[t.role] + turn_text(t) + END_OF_TURN for t in turns)
     return text + (ROLE_TOKENS["assistant"] if add_generation_prompt else "")
-
-
-def turns_from_messages(messages: list[dict]) -> list[Turn]:
-    """HF chat messages (content a string, or text / image parts) -> turns; images are placeholders (no bytes)."""
-    turns = []
-    for message in messages:
-        content = message["content"]
-        parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
-        segments = [
-            Segment(image=b"") if part.get("type") == "image" else Segment(text=part.get("text", "")) for part in parts
-        ]
-        turns.append(Turn(role=message["role"], segments=segments))
-    return turns

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from data_pipelines.schema import MAX_IMAGE_PIXELS, Modality, Sample, SkipSample, open_image
-from data_pipelines.tokenizer import CHAT_TOKENS, END_OF_TURN, ROLE_TOKENS, special_affixes
+from data_pipelines.tokenizer import CHAT_TOKENS, END_OF_TURN, ROLE_TOKENS, pad_id, special_affixes
 
 IGNORE = -100
 # What the loss covers (``labels``): ``auto`` the assistant turns of a conversation and every text token of any other
@@ -47,9 +47,7 @@ class TokenEncoder:
         self.hf = callable(tokenizer) and hasattr(tokenizer, "get_vocab")
         if self.hf:
             self.prefix, self.suffix = special_affixes(tokenizer)
-            self.eos_id = tokenizer.eos_token_id
-            pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
-            self.pad_id = pad
+            self.eos_id, self.pad_id = tokenizer.eos_token_id, pad_id(tokenizer)
         else:
             self.prefix, self.suffix = [], []
             self.eos_id, self.pad_id = getattr(tokenizer, "eos_id", None), getattr(tokenizer, "pad_id", 0)

@@ -149,6 +149,11 @@ def load_tokenizer(path: str | os.PathLike | None = None) -> PreTrainedTokenizer
         raise ValueError(f"cannot load a tokenizer from {str(directory)!r}: {first_line}") from err
 
 
+def pad_id(tokenizer) -> int:
+    """The id padding uses: the tokenizer's pad token, else its eos, else 0 (labels ignore padding either way)."""
+    return next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
+
+
 def special_affixes(tokenizer) -> tuple[list[int], list[int]]:
     """The ids the tokenizer's own post-processor puts before and after a text (BOS; [CLS] / [SEP]; none)."""
     probe = tokenizer("a", add_special_tokens=False)["input_ids"]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from data_pipelines.chat import END_OF_TURN, render, turns_from_messages
+from data_pipelines.chat import END_OF_TURN
 from data_pipelines.schema import Modality
 
 logger = logging.getLogger(__name__)
@@ -45,23 +45,14 @@ def resolve_chat_template(value) -> str | None:
 
 def chat_prompt(processor, context: str, template: str | None) -> str:
     """The task context as the prompt the model sees: as it is (``template`` None), or as one user message
-    ``{"role": "user", "content": context}`` through the chat template with the generation prompt (the
-    assistant header) appended. ``DEFAULT_TEMPLATE``: ``processor.apply_chat_template`` with the processor's
-    ``chat_template``; a processor without one renders ``data_pipelines.chat``'s template (the same string)."""
+    ``{"role": "user", "content": context}`` through ``processor.apply_chat_template`` with the generation prompt
+    (the assistant header) appended: the processor's own ``chat_template`` for ``DEFAULT_TEMPLATE``, else
+    ``template`` (a Jinja string)."""
     if template is None:
         return context
     messages = [{"role": "user", "content": context}]
-    apply = getattr(processor, "apply_chat_template", None)
-    if template == DEFAULT_TEMPLATE:
-        if apply is not None and getattr(processor, "chat_template", None):
-            return apply(messages, add_generation_prompt=True, tokenize=False)
-        return render(turns_from_messages(messages), add_generation_prompt=True)
-    if apply is not None:
-        return apply(messages, chat_template=template, add_generation_prompt=True, tokenize=False)
-    from transformers.utils.chat_template_utils import render_jinja_template
-
-    (prompt,), _ = render_jinja_template(conversations=[messages], chat_template=template, add_generation_prompt=True)
-    return prompt
+    chosen = {} if template == DEFAULT_TEMPLATE else {"chat_template": template}
+    return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **chosen)
 
 
 def chat_stops(template: str | None) -> list[str]:

@@ -26,7 +26,7 @@ from transformers.image_utils import load_image
 from transformers.utils import PROCESSOR_NAME
 
 from data_pipelines.chat import CHAT_TEMPLATE, CHAT_TOKENS, END_OF_TURN
-from data_pipelines.tokenizer import IMAGE_TOKEN, special_affixes
+from data_pipelines.tokenizer import IMAGE_TOKEN, pad_id, special_affixes
 from vision_tower import ImageProcessor
 
 LEGACY_PROCESSOR_FILE = "vlm_processor_config.json"  # what save_pretrained wrote before processor_config.json
@@ -62,11 +62,7 @@ class VLMProcessor(ProcessorMixin):
 
     @property
     def pad_token_id(self) -> int:
-        tok = self.tokenizer
-        for candidate in (tok.pad_token_id, tok.eos_token_id):
-            if candidate is not None:
-                return candidate
-        return 0
+        return pad_id(self.tokenizer)
 
     def row(self, text: str, images: Sequence, num_tokens: list[int], add_special_tokens: bool) -> list[int]:
         """One row: text pieces tokenised separately, each marker replaced by its image's slots, wrapped in the

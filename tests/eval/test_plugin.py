@@ -164,12 +164,12 @@ def test_chat_template_modes_build_the_expected_prompt_ids(tiny_checkpoint, eval
     assert prompts[None] == f"<|user|>{context}<|end|><|assistant|>"
     assert prompts[None] == render(conv.turns[:1], add_generation_prompt=True)  # the scenes_chat conversation's
     assert render(conv.turns).startswith(prompts[None])  # training text = eval prompt + answer + <|end|>
-    # the fallback for a processor without a template, and a template file, render the same string
-    assert gen.chat_prompt(SimpleNamespace(), context, gen.DEFAULT_TEMPLATE) == prompts[None]
+    # the processor's template, and the same template from a file, render the same string
+    assert gen.chat_prompt(proc, context, gen.DEFAULT_TEMPLATE) == prompts[None]
     from data_pipelines.chat import CHAT_TEMPLATE
 
     template = tmp_path / "chat.jinja"
     template.write_text(CHAT_TEMPLATE)
-    assert gen.chat_prompt(SimpleNamespace(), context, gen.resolve_chat_template(str(template))) == prompts[None]
+    assert gen.chat_prompt(proc, context, gen.resolve_chat_template(str(template))) == prompts[None]
     with pytest.raises(ValueError, match="chat_template"):
         gen.resolve_chat_template("/nonexistent/template.jinja")

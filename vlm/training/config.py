@@ -7,6 +7,8 @@ import copy
 
 import yaml
 
+from data_pipelines.packing import LOSS_ON
+
 # field -> (default, allowed types); ``None`` default with ``required`` means the user must set it.
 REQUIRED = object()
 SCHEMA: dict[str, dict[str, tuple]] = {
@@ -24,7 +26,7 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "num_workers": (0, (int,)),
         "max_patches": (64, (int,)),
         "split_documents": (False, (bool,)),
-        "loss_on": ("auto", (str,)),  # auto | all | assistant (data_pipelines.packing.LOSS_ON)
+        "loss_on": ("auto", (str,)),  # one of data_pipelines.packing.LOSS_ON
     },
     "train": {
         "max_steps": (REQUIRED, (int,)),
@@ -50,7 +52,7 @@ POSITIVE = {
 }  # fmt: skip
 
 
-CHOICES = {"data.loss_on": ("auto", "all", "assistant")}  # data_pipelines.packing.LOSS_ON
+CHOICES = {"data.loss_on": LOSS_ON}
 
 
 class ConfigError(ValueError):
