@@ -22,9 +22,10 @@ positions before the saved high-water marks (``hw_emit`` samples, ``hw_shard`` s
 
 Faults. ``read_tar_groups`` reads each tar with ``tarfile`` streaming; an archive that is cut or corrupt
 (read error, or no end-of-archive block after the last member) counts one ``truncated_tar``; the groups before
-it are kept, the group being read is dropped, reading goes on with the next shard. Decoding raises
-``SkipSample`` (schema), packing adds ``too_long``; each skip is counted, logged (rate-limited) and the stream
-goes on. Counters are cumulative over epochs; ``loader.stats()`` sums them over workers.
+it are kept, the group being read is dropped, reading goes on with the next shard. A key whose members are not
+adjacent (``non_adjacent_key``) or one with a member over ``max_member_bytes`` (``member_too_large``) is one
+skipped sample. Decoding raises ``SkipSample`` (schema), packing adds ``too_long``; each skip is counted, logged
+(rate-limited) and the stream goes on. Counters are cumulative over epochs; ``loader.stats()`` sums them over workers.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from data_pipelines.packing import LOSS_ON, Packer, TokenEncoder, collate_rows, encode_sample_tokens
 from data_pipelines.schema import MAX_IMAGE_PIXELS, SKIP_KINDS, SkipSample, decode_sample
-from data_pipelines.tar_reader import TruncatedTar, expand_shards, read_tar_groups
+from data_pipelines.tar_reader import MAX_MEMBER_BYTES, TruncatedTar, expand_shards, read_tar_groups, skip_marked
 from vision_tower import ImageProcessor
 
 logger = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ class _WorkerStream:
         for p in range(first, len(shards)):
             k = 0
             try:
-                for group in read_tar_groups(shards[p]):
+                for group in read_tar_groups(shards[p], self.cfg["max_member_bytes"]):
                     if p == first and k < skip:
                         k += 1
                         continue
@@ -144,6 +145,7 @@ class _WorkerStream:
             counted = e >= self.hw_emit
             self.hw_emit = max(self.hw_emit, e + 1)
             try:
+                skip_marked(group)  # non_adjacent_key / member_too_large, found while reading the tar
                 doc = encode_sample_tokens(
                     decode_sample(group), cfg["encoder"], cfg["image_processor"], cfg["image_token_id"],
                     cfg["max_image_pixels"], cfg["loss_on"],
@@ -313,6 +315,7 @@ def make_dataloader(
     split_documents: bool = False,
     pin_memory: bool = False,
     loss_on: str = "auto",
+    max_member_bytes: int = MAX_MEMBER_BYTES,
 ) -> ShardLoader:
     """Packed ``[batch_size, seq_len]`` batches from webdataset shards (paths, brace patterns, globs, folders).
 
@@ -322,10 +325,12 @@ def make_dataloader(
     defaults to the tokenizer's ``<image>`` (added as a special token when missing, as ``VLMProcessor`` does).
     ``split_documents``: see ``data_pipelines.packing``. ``shuffle=False`` reads shards and samples in order.
     ``loss_on`` (``packing.LOSS_ON``): ``auto`` labels the assistant turns of conversations and all text elsewhere.
+    ``max_member_bytes``: a sample with a bigger tar member (decompressed) is skipped as ``member_too_large``.
     """
     for name, value, low in (("seq_len", seq_len, 2), ("batch_size", batch_size, 1), ("world_size", world_size, 1),
                              ("num_workers", num_workers, 0), ("max_image_pixels", max_image_pixels, 1),
-                             ("shuffle_buffer", shuffle_buffer, 0)):  # fmt: skip
+                             ("shuffle_buffer", shuffle_buffer, 0),
+                             ("max_member_bytes", max_member_bytes, 1)):  # fmt: skip
         if not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     if not 0 <= rank < world_size:
@@ -344,6 +349,7 @@ def make_dataloader(
         image_token_id=image_token_id, seq_len=seq_len, batch_size=batch_size, rank=rank, world_size=world_size,
         num_workers=num_workers, seed=seed, shuffle=shuffle, shuffle_buffer=shuffle_buffer, epochs=epochs,
         max_image_pixels=max_image_pixels, split_documents=split_documents, loss_on=loss_on,
+        max_member_bytes=max_member_bytes,
     )  # fmt: skip
     return ShardLoader(cfg, pin_memory=pin_memory)
 

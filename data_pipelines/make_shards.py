@@ -12,6 +12,11 @@ kinds interleaved round-robin. Sources: one pass, each sample goes to eval when 
 ``--eval-fraction`` (default 0: train only, no eval folder); ``--from-llava`` / ``--from-messages`` write
 conversations, their image paths relative to ``--image-root`` (default: the file's folder). Writes
 ``OUT/<split>/*.tar`` + ``manifest.json`` and prints one summary line per split.
+
+A run writes into a hidden folder beside ``OUT`` and puts it in the place of ``OUT`` only when it succeeded, so
+``OUT`` then holds exactly this run's splits; on any error, or when the run wrote no sample, an earlier ``OUT`` is
+kept as it was (an empty run over one exits 2). ``OUT`` must hold nothing but splits of shards. Samples whose
+images the loader would refuse (undecodable, cut, over ``--max-image-pixels``) are skipped and counted per split.
 """
 
 from __future__ import annotations
@@ -24,8 +29,8 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 
 from data_pipelines import sources, synthetic
-from data_pipelines.schema import Sample
-from data_pipelines.writer import SplitWriter
+from data_pipelines.schema import MAX_IMAGE_PIXELS, Sample
+from data_pipelines.writer import DatasetRefused, SplitWriter, staged_dataset
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +50,8 @@ def make_synthetic(
     tokenizer=None,
     **writer_options,
 ) -> dict[str, dict]:
-    """Train and eval shards of the synthetic ``kinds``; returns ``{split: manifest}``."""
+    """Train and eval shards of the synthetic ``kinds`` in ``out_dir`` (replaced as a whole: ``staged_dataset``);
+    returns ``{split: manifest}``."""
     unknown = sorted(set(kinds) - set(synthetic.GENERATORS))
     if unknown or not kinds:
         raise ValueError(f"synthetic kinds must be among {sorted(synthetic.GENERATORS)}, got {list(kinds)}")
@@ -54,14 +60,15 @@ def make_synthetic(
     if eval_samples is None:
         eval_samples = (num_samples + 9) // 10
     manifests = {}
-    for split, n in (("train", num_samples), ("eval", eval_samples)):
-        per_kind: Counter = Counter()
-        extra = {"source": "synthetic", "generator": "data_pipelines.synthetic", "kinds": list(kinds), "seed": seed}
-        extra["kind_samples"] = per_kind  # filled while writing, read when the manifest is written
-        with SplitWriter(out_dir, split, manifest_extra=extra, tokenizer=tokenizer, **writer_options) as writer:
-            for sample in _counted(synthetic.interleave(kinds, n, seed, split), per_kind):
-                writer.write(sample)
-        manifests[split] = writer.manifest
+    with staged_dataset(out_dir) as stage:
+        for split, n in (("train", num_samples), ("eval", eval_samples)):
+            per_kind: Counter = Counter()
+            extra = {"source": "synthetic", "generator": "data_pipelines.synthetic", "kinds": list(kinds)}
+            extra.update(seed=seed, kind_samples=per_kind)  # kind_samples: filled while writing, read at close
+            with SplitWriter(stage, split, manifest_extra=extra, tokenizer=tokenizer, **writer_options) as writer:
+                for sample in _counted(synthetic.interleave(kinds, n, seed, split), per_kind):
+                    writer.write(sample)
+            manifests[split] = writer.manifest
     return manifests
 
 
@@ -79,31 +86,35 @@ def make_from_source(
     tokenizer=None,
     **writer_options,
 ) -> dict[str, dict]:
-    """Route one source stream into train (and eval when ``eval_fraction`` > 0); returns ``{split: manifest}``.
-    Both manifests record the whole source's ``read`` / ``skipped`` counts."""
+    """Route one source stream into train (and eval when ``eval_fraction`` > 0) in ``out_dir`` (replaced as a
+    whole: ``staged_dataset``); returns ``{split: manifest}``. Both manifests record the whole source's ``read`` /
+    ``skipped`` counts."""
     if not 0.0 <= eval_fraction < 1.0:
         raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
     splits = ["train", "eval"] if eval_fraction > 0 else ["train"]
-    writers = {split: SplitWriter(out_dir, split, tokenizer=tokenizer, **writer_options) for split in splits}
-    try:
-        for sample in samples:
-            writers["eval" if eval_fraction > 0 and is_eval(sample.key, eval_fraction) else "train"].write(sample)
-    except BaseException:
-        for writer in writers.values():
-            writer.abort()
-        raise
     manifests = {}
-    for split, writer in writers.items():
-        writer.manifest_extra = {"source": {**source, **stats.as_dict()}, "eval_fraction": eval_fraction}
-        manifests[split] = writer.close()
+    with staged_dataset(out_dir) as stage:
+        writers = {split: SplitWriter(stage, split, tokenizer=tokenizer, **writer_options) for split in splits}
+        try:
+            for sample in samples:
+                writers["eval" if eval_fraction > 0 and is_eval(sample.key, eval_fraction) else "train"].write(sample)
+            for split, writer in writers.items():
+                writer.manifest_extra = {"source": {**source, **stats.as_dict()}, "eval_fraction": eval_fraction}
+                manifests[split] = writer.close()
+        except BaseException:
+            for writer in writers.values():
+                writer.abort()
+            raise
     return manifests
 
 
 def _summary(split: str, manifest: dict, out_dir: str) -> str:
     tokens = f", {manifest['text_tokens']:,} text tokens" if manifest["text_tokens"] is not None else ""
+    skipped = manifest["skipped"]
+    skips = f" ({sum(skipped.values()):,} skipped {skipped})" if skipped else ""
     return (
-        f"{split}: {manifest['samples']:,} samples, {manifest['images']:,} images, {manifest['text_chars']:,} text "
-        f"chars{tokens} in {len(manifest['shards'])} shards -> {out_dir}/{split}/{manifest['brace'] or '(none)'}"
+        f"{split}: {manifest['samples']:,} samples{skips}, {manifest['images']:,} images, {manifest['text_chars']:,} "
+        f"text chars{tokens} in {len(manifest['shards'])} shards -> {out_dir}/{split}/{manifest['brace'] or '(none)'}"
     )
 
 
@@ -128,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-count", type=int, default=1000, help="samples per shard at most (default 1000)")
     parser.add_argument("--max-size", type=int, default=64 * 2**20, help="bytes per shard, about (default 64 MiB)")
     parser.add_argument("--tokenizer", metavar="DIR", help="HF tokenizer folder: text token counts in manifests")
+    parser.add_argument(
+        "--max-image-pixels", type=int, default=MAX_IMAGE_PIXELS, help="bigger images skip their sample, as in loading"
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress at INFO level")
     return parser
 
@@ -144,6 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     options = {"max_count": args.max_count, "max_size": args.max_size, "tokenizer": tokenizer}
+    options["max_image_pixels"] = args.max_image_pixels
     try:
         if args.synthetic:
             if args.num_samples is None:
@@ -167,6 +182,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             manifests = make_from_source(samples, stats, source, args.out, args.eval_fraction, **options)
             skipped = dict(sorted(stats.skipped.items()))
             print(f"source: {stats.read:,} samples read, {sum(skipped.values()):,} entries skipped {skipped}")
+    except DatasetRefused as err:  # one line, and --out as it was
+        print(f"make_shards: error: {err}", file=sys.stderr)
+        return 2
     except ValueError as err:
         parser.error(str(err))
     for split, manifest in manifests.items():

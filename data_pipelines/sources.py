@@ -20,11 +20,13 @@ relative to ``image_root`` (default: the file's folder), and check every convers
 Image bytes are copied byte-exact (only their header is checked, with PIL); texts are kept exactly as read.
 Bad entries (unreadable line, missing / undecodable image, missing caption, non-UTF-8 text, duplicate key, ...)
 are skipped, counted by kind in a :class:`SourceStats` and logged — never a crash. Keys are made webdataset-safe
-(letters, digits, ``_``, ``-``): the given key or the file's relative path, other characters become ``_``.
+(letters, digits, ``_``, ``-``): the given key or the file's relative path, other characters become ``_``; a key
+that this makes equal to an earlier one gets ``-<8 hex digits of its hash>`` added (``a.b`` / ``a/b`` stay apart).
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
@@ -51,7 +53,8 @@ class SourceStats:
 
     read: int = 0
     skipped: Counter = field(default_factory=Counter)
-    _seen: set = field(default_factory=set, repr=False)
+    _seen: set = field(default_factory=set, repr=False)  # the source keys, before safe_key
+    _owners: dict = field(default_factory=dict, repr=False)  # safe key -> the source key that has it
 
     def skip(self, kind: str, message: str) -> None:
         self.skipped[kind] += 1
@@ -59,11 +62,18 @@ class SourceStats:
         logger.log(level, "skipped (%s): %s", kind, message)
 
     def accept(self, sample: Sample) -> bool:
-        """Count ``sample`` unless its key was already used (then skip it as duplicate_key)."""
-        if sample.key in self._seen:
-            self.skip("duplicate_key", sample.key)
+        """Count ``sample`` unless its (source) key was already used (then skip it as duplicate_key), and make its
+        key webdataset-safe and unique: :func:`safe_key`, plus ``-<hash>`` when another source key has that."""
+        original = sample.key
+        if original in self._seen:
+            self.skip("duplicate_key", original)
             return False
-        self._seen.add(sample.key)
+        self._seen.add(original)
+        key = safe_key(original)
+        if self._owners.setdefault(key, original) != original:  # "a.b" after "a/b": both are "a_b"
+            key = f"{key}-{hashlib.sha256(original.encode()).hexdigest()[:8]}"
+            self._owners.setdefault(key, original)
+        sample.key = key
         self.read += 1
         return True
 
@@ -72,6 +82,7 @@ class SourceStats:
 
 
 def safe_key(name: str) -> str:
+    """``name`` with every character other than letters, digits, ``_`` and ``-`` replaced by ``_``."""
     return re.sub(r"[^A-Za-z0-9_\-]", "_", name) or "_"
 
 
@@ -115,7 +126,7 @@ def _document(doc, base: Path, key: str, stats: SourceStats, where: str) -> Samp
         stats.skip("missing_field", f"{where}: 'meta' must be an object and 'qa' a list")
         return None
     if isinstance(doc.get("key"), str) and doc["key"]:
-        key = safe_key(doc["key"])
+        key = doc["key"]  # made safe by SourceStats.accept
     return Sample(key=key, segments=segments, meta=meta, qa=qa)
 
 
@@ -132,7 +143,7 @@ def from_jsonl(path: str | os.PathLike, stats: SourceStats | None = None) -> Ite
     with handle:  # a JSON value that is no object is a document without segments (missing_field), as in shards
         bad = lambda lineno, why: stats.skip("bad_json", f"{path}:{lineno}: {why}")
         for lineno, doc in read_json_lines(handle, bad, objects_only=False):
-            key = safe_key(f"{path.stem}_{lineno:07d}")
+            key = f"{path.stem}_{lineno:07d}"
             sample = _document(doc, path.parent, key, stats, f"{path}:{lineno}")
             if sample is not None and stats.accept(sample):
                 yield sample
@@ -172,7 +183,7 @@ def _pair(root: Path, stem: Path, files: dict[str, Path], stats: SourceStats) ->
         if not isinstance(meta, dict):
             stats.skip("bad_json", f"{where}.json: not a JSON object")
             return None
-    return Sample(key=safe_key(where), segments=[image, Segment(text=caption)], meta=meta)
+    return Sample(key=where, segments=[image, Segment(text=caption)], meta=meta)
 
 
 def _pairs(root: Path, stats: SourceStats) -> Iterator[Sample]:
@@ -226,7 +237,7 @@ def from_text(
             continue
         blocks = [text] if unit == "file" else [b.strip() for b in re.split(r"\n\s*\n", text) if b.strip()]
         for j, block in enumerate(blocks):
-            key = safe_key(f"{i:06d}_{path.stem}" + (f"_{j:06d}" if unit == "paragraph" else ""))
+            key = f"{i:06d}_{path.stem}" + (f"_{j:06d}" if unit == "paragraph" else "")
             sample = Sample(key=key, segments=[Segment(text=block)], meta={"source": path.name})
             if stats.accept(sample):
                 yield sample
@@ -295,7 +306,7 @@ def _conversation(
     integer, else ``<file stem>_<number>``."""
     given = entry.get("id")
     has_id = (isinstance(given, str) and given != "") or (isinstance(given, int) and not isinstance(given, bool))
-    key = safe_key(str(given) if has_id else f"{stem}_{number:07d}")
+    key = str(given) if has_id else f"{stem}_{number:07d}"  # made safe by SourceStats.accept
     placeholder = lambda part: Segment(text=part) if isinstance(part, str) else Segment(image=b"")
     try:  # the cheap checks first, on placeholder images: no file is read for a conversation that is skipped
         check_conversation([Turn(role, [placeholder(p) for p in parts]) for role, parts in raw], key)

@@ -29,6 +29,7 @@ import statistics
 from pathlib import Path
 
 from eval.r_report_io import (
+    MAX_SKIPPED_LISTED,
     SERIES,
     TAIL_FRACTION,
     TRAIN_SCALARS,
@@ -37,6 +38,7 @@ from eval.r_report_io import (
     _num,
     _r_from_counts,
     load_records,
+    nonfinite_warning,
 )
 from eval.r_report_plot import plot_report
 
@@ -119,7 +121,23 @@ def _train_summary(records: Records, target_r: float | None) -> dict:
         "last": {k: v for k, v in last_eval.items() if _num(v) is not None},
     }
     out["duplicate_steps"] = records.duplicate_steps
+    out |= _nonfinite_summary(steps)
+    out["eval"]["nonfinite_records"] = records.nonfinite_eval_records
     return out
+
+
+def _nonfinite_summary(steps: list[dict]) -> dict:
+    """Steps whose loss or R was NaN / inf (or skipped by the trainer): count, first step numbers, count per key."""
+    flagged = [s for s in steps if s["nonfinite"]]
+    by_key: dict[str, int] = {}
+    for s in flagged:
+        for key in s["nonfinite"]:
+            by_key[key] = by_key.get(key, 0) + 1
+    return {
+        "nonfinite_steps": len(flagged),
+        "nonfinite_at": [s["step"] for s in flagged[:MAX_SKIPPED_LISTED]],
+        "nonfinite_by_key": dict(sorted(by_key.items())),
+    }
 
 
 def _eval_summary(records: Records) -> dict:
@@ -149,6 +167,7 @@ def _eval_summary(records: Records) -> dict:
     scores_only = {t: m for t, m in records.results.items() if t not in tasks}
     return {
         "samples": len(records.samples),
+        "nonfinite_samples": sum(bool(s["nonfinite"]) for s in records.samples),
         "joined_scores": records.joined_scores,
         "tasks": tasks,
         "overall": _group_summary(records.samples),
@@ -157,9 +176,13 @@ def _eval_summary(records: Records) -> dict:
 
 
 def summarize(records: Records, target_r: float | None = None) -> dict:
-    """The JSON summary: ``train`` (per-step series) and ``eval`` (per task / dataset), each null without data."""
+    """The JSON summary: ``train`` (per-step series) and ``eval`` (per task / dataset), each null without data.
+    ``nonfinite_steps`` (training steps with a NaN / inf loss or R) and ``warnings`` sit at the top, never hidden."""
+    warning = nonfinite_warning(records)
     return {
         "name": records.name,
+        "nonfinite_steps": sum(bool(s["nonfinite"]) for s in records.steps),
+        "warnings": [warning] if warning else [],
         "sources": records.sources,
         "skipped_lines": records.skipped_lines,
         "skipped_at": records.skipped_at,
@@ -186,6 +209,8 @@ def _overview(summary: dict) -> str:
         parts.append(f"{ev['samples']} eval samples over {len(ev['tasks'])} tasks")
     if summary["skipped_lines"]:
         parts.append(f"{summary['skipped_lines']} malformed lines skipped")
+    if summary["nonfinite_steps"]:
+        parts.append(f"{summary['nonfinite_steps']} steps with a non-finite loss or R")
     return "; ".join(parts)
 
 

@@ -1,6 +1,8 @@
 """Reading the inputs of the R report (``eval.r_report``): training ``metrics.jsonl``, per-sample evaluation records
 (the lmms-eval plugin's ``r_stats_<task>.jsonl``), lmms-eval's ``*_results.json`` and ``*_samples_<task>.jsonl``.
-Malformed lines are skipped and counted, never fatal; unusable input raises ``ReportInputError``."""
+Malformed lines are skipped and counted, never fatal; unusable input raises ``ReportInputError``. Non-finite losses
+and R values (NaN / inf, and steps the trainer skipped for a non-finite loss) are left out of the statistics but
+counted and flagged per record (``nonfinite``), never dropped silently."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ MODALITIES = {"text": ("0", "text"), "image": ("1", "image")}  # keys accepted i
 SERIES = ("r", "r_text", "r_image")
 TRAIN_SCALARS = ("loss", "lm_loss", "ratio_loss", "balance_loss", "z_loss", "tokens_per_s", "lr")
 SCORE_DICT_KEYS = ("scores", "metrics")  # per-sample dicts of metric -> value
+NONFINITE_CHECKED = ("loss", "lm_loss", "ratio_loss", "balance_loss", "z_loss", "r", "r_text", "r_image")
 TAIL_FRACTION = 0.1
 MAX_SKIPPED_LISTED = 20
 SAMPLE_LOG = re.compile(r"_samples_(?P<task>.+)\.jsonl$")  # lmms-eval's per-sample log of one task
@@ -44,6 +47,7 @@ class Records:
     ignored_records: int = 0  # valid JSON objects that are neither a step nor a sample (e.g. lmms-eval sample logs)
     duplicate_steps: int = 0  # steps logged twice (a resumed run); the later record wins
     joined_scores: int = 0  # samples that got per-sample scores from an lmms-eval sample log
+    nonfinite_eval_records: int = 0  # eval records of a training log with a non-finite loss or R
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -56,6 +60,25 @@ def _num(x) -> float | None:
         return None
     x = float(x)
     return x if math.isfinite(x) else None
+
+
+def _is_nonfinite(x) -> bool:
+    """NaN or +-inf, as a JSON number (Python's ``NaN`` / ``Infinity``) or as a string such as ``"nan"``."""
+    if isinstance(x, str):
+        try:
+            x = float(x)
+        except ValueError:
+            return False
+    return isinstance(x, float) and not math.isfinite(x)
+
+
+def nonfinite_keys(rec: dict) -> list[str]:
+    """The losses and R values of a record that are NaN / inf (``eval_`` prefixed too, and ``r_by_modality``
+    entries), plus ``skipped`` when the trainer skipped the step for a non-finite loss."""
+    keys = [k for k, v in rec.items() if k.removeprefix("eval_") in NONFINITE_CHECKED and _is_nonfinite(v)]
+    if isinstance(rec.get("r_by_modality"), dict):
+        keys += [f"r_by_modality.{m}" for m, v in rec["r_by_modality"].items() if _is_nonfinite(v)]
+    return keys + ["skipped"] * (rec.get("skipped") is True)
 
 
 def _by_modality(d, modality: str) -> float | None:
@@ -213,16 +236,18 @@ def load_records(path: str | Path) -> Records:
                     sample = {"task": task, "dataset": rec.get("dataset"), "doc_id": rec.get("doc_id")}
                     sample["group"] = None if rec.get("group") is None else str(rec["group"])
                     sample["scores"] = _sample_scores(rec, set(records.results.get(task, {})))
+                    sample["nonfinite"] = nonfinite_keys(rec)
                     records.samples.append(sample | _ratios(rec))
                 elif _is_train_eval(rec):
                     records.train_evals.append(rec)
+                    records.nonfinite_eval_records += bool(nonfinite_keys(rec))
                 elif _num(rec.get("step")) is not None:
                     step = _num(rec["step"])
                     step = int(step) if step.is_integer() else step
                     records.duplicate_steps += step in steps_by_number
                     scalars = {k: _num(rec.get(k)) for k in TRAIN_SCALARS}
                     steps_by_number[step] = {"step": step, "target_r": _num(rec.get("target_r"))} | scalars
-                    steps_by_number[step] |= _ratios(rec)
+                    steps_by_number[step] |= _ratios(rec) | {"nonfinite": nonfinite_keys(rec)}
                 else:
                     records.ignored_records += 1
     except OSError as e:
@@ -234,6 +259,7 @@ def load_records(path: str | Path) -> Records:
         logger.warning(
             "%s: %d steps logged more than once (resumed run?); kept the later record", path, records.duplicate_steps
         )
+    _warn_nonfinite(path, records)
     if records.ignored_records:
         logger.info(
             "%s: ignored %d records that are neither a training step nor a sample", path, records.ignored_records
@@ -244,6 +270,26 @@ def load_records(path: str | Path) -> Records:
             f"{path}: no training step or evaluation record to report ({what}{records.ignored_records} other records)"
         )
     return records
+
+
+def nonfinite_warning(records: Records) -> str | None:
+    """One line naming the training steps / samples / eval records with a non-finite loss or R, or None."""
+    steps = [s["step"] for s in records.steps if s["nonfinite"]]
+    samples = sum(bool(s["nonfinite"]) for s in records.samples)
+    parts = []
+    if steps:
+        at = ", ".join(map(str, steps[:MAX_SKIPPED_LISTED])) + (", ..." if len(steps) > MAX_SKIPPED_LISTED else "")
+        parts.append(f"{len(steps)} training steps with a non-finite loss or R (NaN/inf or skipped) at steps {at}")
+    if records.nonfinite_eval_records:
+        parts.append(f"{records.nonfinite_eval_records} eval records with a non-finite loss or R")
+    if samples:
+        parts.append(f"{samples} evaluation samples with a non-finite R")
+    return "; ".join(parts) + ": left out of the statistics" if parts else None
+
+
+def _warn_nonfinite(path: Path, records: Records) -> None:
+    if (line := nonfinite_warning(records)) is not None:
+        logger.warning("%s: warning: %s", path, line)
 
 
 # ----------------------------------------------------------------------------------------------------------------

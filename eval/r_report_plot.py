@@ -39,6 +39,10 @@ def _plot_training(ax, records: Records, train: dict) -> None:
     ratio = train["image_to_text_r"]["mean_last_10pct"]
     subtitle = f"\nimage R / text R = {ratio:.2f} over the last 10% of steps" if ratio is not None else ""
     ax.set_title(f"Compression ratio over training: {records.name}{subtitle}")
+    if train["nonfinite_steps"]:  # on the figure too: those steps are gaps in the curves
+        warning = (f"WARNING: {train['nonfinite_steps']} steps with a non-finite loss / R, first at step "
+                   f"{train['nonfinite_at'][0]} (left out; see nonfinite_at in r_report.json)")  # fmt: skip
+        ax.text(0.01, 0.02, warning, transform=ax.transAxes, color="red", fontsize=9, fontweight="bold")
     ax.set_xlabel("optimiser step")
     ax.set_ylabel("R = tokens / concepts")
     ax.set_ylim(bottom=0)

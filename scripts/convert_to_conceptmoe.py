@@ -1,11 +1,14 @@
 """Convert a local Hugging Face MoE checkpoint into a ConceptMoE checkpoint for continual training (paper §4.3).
 
     python scripts/convert_to_conceptmoe.py --src HF_DIR --out DIR [--target-r 1.5] [--chunking dynamic|none]
-        [--encoder-layers 4] [--decoder-layers 4] [--loop N --loop-layers M] [--top-k K]
+        [--encoder-layers 4] [--decoder-layers 4] [--loop N --loop-layers M] [--top-k K] [--allow-extra]
 
 Supported: OlmoeForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM (see docs/convert.md).
 Writes DIR (save_pretrained) and DIR/conversion_report.json, and prints the params / FLOPs table.
-Bad input: exit code 2 and a one-line message.
+Every source tensor the architecture has must be in HF_DIR's *.safetensors with its shape; tensors it does not have
+are refused unless --allow-extra (then named in a warning line and in the report). Bad input (unsupported model,
+missing / misshapen / unknown tensors, truncated file, unreadable config): exit code 2 and one line
+``convert_to_conceptmoe: error: ...`` on stderr.
 """
 
 from __future__ import annotations
@@ -13,11 +16,19 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import NoReturn
 
 from vlm.accounting.convert import convert, format_report, save_conversion
 
 
-def main() -> None:
+def fail(err: BaseException) -> NoReturn:
+    """Exit 2 with one line on stderr: the first line of the error's message."""
+    lines = str(err).strip().splitlines()
+    print(f"convert_to_conceptmoe: error: {lines[0] if lines else type(err).__name__}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--src", required=True, help="local HF checkpoint folder of the source MoE")
     parser.add_argument("--out", required=True, help="output folder for the ConceptMoE checkpoint")
@@ -29,7 +40,10 @@ def main() -> None:
     parser.add_argument("--loop-layers", type=int, default=0, help="how many middle layers loop (0: all)")
     parser.add_argument("--top-k", type=int, default=None, help="experts per concept in the concept model (S1)")
     parser.add_argument("--seq-len", type=int, default=4096, help="sequence length of the attention FLOPs")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--allow-extra", action="store_true", help="ignore (with a warning) source tensors the architecture lacks"
+    )
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         conversion = convert(
@@ -42,11 +56,11 @@ def main() -> None:
             loop_layers=args.loop_layers,
             top_k=args.top_k,
             seq_len=args.seq_len,
+            allow_extra=args.allow_extra,
         )
+        save_conversion(conversion, args.out)
     except (ValueError, OSError) as e:
-        print(f"convert_to_conceptmoe: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    save_conversion(conversion, args.out)
+        fail(e)
     print(format_report(conversion.report))
     print(f"saved {args.out} (report: {args.out}/conversion_report.json)")
 

@@ -7,7 +7,8 @@
     python scripts/make_shards.py --from-llava llava.json --image-root llava_images/ --out data/sft
     python scripts/make_shards.py --from-messages chats.jsonl --out data/chats
 
-All options: ``--help``; the logic lives in :mod:`data_pipelines.make_shards`.
+OUT is replaced only by a run that succeeded and wrote samples (else it stays as it was; an empty run over an
+existing OUT exits 2). All options: ``--help``; the logic lives in :mod:`data_pipelines.make_shards`.
 """
 
 import sys

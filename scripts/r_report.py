@@ -5,6 +5,8 @@
 Writes DIR/r_report.json and DIR/r_report.png (default DIR: the run folder, or the JSONL file's folder).
 Reads RUN_DIR/metrics.jsonl (one record per optimiser step) and/or per-sample evaluation records with
 lmms-eval's *_results.json for task scores; see eval/r_report.py. Bad input: exit code 2 and a one-line message.
+Steps with a NaN / inf loss or R (or skipped by the trainer for one) are never dropped silently: a warning line on
+stderr names them, and r_report.json counts them (nonfinite_steps, train.nonfinite_at / nonfinite_by_key, warnings).
 """
 
 from __future__ import annotations

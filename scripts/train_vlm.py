@@ -15,7 +15,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from vlm.training.config import ConfigError, load_config, save_config  # noqa: E402
+from vlm.training.build import check_data  # noqa: E402
+from vlm.training.checkpoint import CheckpointError  # noqa: E402
+from vlm.training.config import ConfigError, check_paths, load_config, save_config  # noqa: E402
+from vlm.training.resume import prepare_run_dir  # noqa: E402
+from vlm.training.safe_load import UnsafeCheckpointError  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,22 +28,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deepspeed", default=None, help="DeepSpeed JSON (ZeRO stage); default: no ZeRO")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     parser.add_argument("--out", required=True, help="run folder")
-    parser.add_argument("--resume", default=None, help="'auto' (latest complete checkpoint of --out) or a folder")
+    parser.add_argument(
+        "--resume", default=None, help="'auto' (the newest checkpoint of --out that verifies) or a checkpoint folder"
+    )
+    parser.add_argument("--overwrite", action="store_true", help="start over in an --out that already holds a run")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     args = parser.parse_args(argv)
-    try:
-        config = load_config(args.config, args.set)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(asctime)s %(message)s")
-    os.makedirs(args.out, exist_ok=True)
-    if rank == 0:
-        save_config(config, os.path.join(args.out, "config.yaml"))
-    from vlm.training.loop import run
+    try:  # every check before the model is built; each failure is one line and exit code 2
+        config = load_config(args.config, args.set)
+        check_paths(config)
+        check_data(config)
+        prepare_run_dir(args.out, args.resume, args.overwrite, is_rank0=rank == 0)
+        os.makedirs(args.out, exist_ok=True)
+        if rank == 0:
+            save_config(config, os.path.join(args.out, "config.yaml"))
+        from vlm.training.loop import run
 
-    run(config, args.out, args.deepspeed, args.resume)
+        run(config, args.out, args.deepspeed, args.resume)
+    except (ConfigError, CheckpointError, UnsafeCheckpointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -60,6 +60,7 @@ OUTPUT_NAMES = {
     "vlm_processor_config.json",  # written by the processor before it was a transformers one (still read)
     "image_processor_config.json",
     "test.jsonl",
+    "rank_state_*.json",  # a checkpoint's per-rank state (docs/reliability.md)
     "*_results.json",  # lmms-eval's results file
 }
 # Files outside this repository that the docs cite by name.
@@ -211,6 +212,10 @@ def path_candidates(text: str, *, markdown: bool) -> set[str]:
 
 def _exists(token: str, names: set[str]) -> bool:
     path = re.sub(r"<[^<>]+>", "*", token.removeprefix("./"))
+    if "::" in path:  # a test: tests/x/test_y.py::test_name[param] names a function of that file
+        path, test = path.split("::", 1)
+        name = test.split("[", 1)[0]
+        return (REPO / path).is_file() and re.search(rf"^def {re.escape(name)}\(", (REPO / path).read_text(), re.M)
     if path.startswith(OUTPUT_PREFIXES):
         return True
     if "/" not in path.rstrip("/"):  # a bare name: an output or external name, or somewhere in the tree
@@ -248,6 +253,8 @@ def test_named_paths_exist():
 def test_path_checker_catches_a_missing_file():
     names = _tree_names()
     text = "see `tests/vlm/test_nothing_here.py` and `docs/ENVIRONMENT.md`, run `scripts/make_shards.py`"
+    assert not _exists("tests/test_readme.py::test_no_such_test", names)
+    assert _exists("tests/test_readme.py::test_path_checker_catches_a_missing_file[x]", names)
     candidates = path_candidates(text, markdown=True)
     assert {"tests/vlm/test_nothing_here.py", "docs/ENVIRONMENT.md", "scripts/make_shards.py"} <= candidates
     assert [c for c in sorted(candidates) if not _exists(c, names)] == [
@@ -256,3 +263,18 @@ def test_path_checker_catches_a_missing_file():
     ]
     assert _exists("runs/demo/hf", names) and _exists("eval/tasks/<task>/data/", names)
     assert _expand_braces("scripts/configs/zero{1,2,3}.json")[2] == "scripts/configs/zero3.json"
+
+
+def test_reliability_table_names_real_tests():
+    """docs/reliability.md: every test it cites (``file.py::name``, or ``::name`` after a file in the same row)
+    is a function of a file under tests/ — the table cannot drift from the suite unnoticed."""
+    files = {p.name: p for p in (REPO / "tests").rglob("test_*.py")}
+    cited, missing = 0, []
+    for row in (REPO / "docs" / "reliability.md").read_text(encoding="utf-8").splitlines():
+        current = None
+        for file, name in re.findall(r"`(?:[\w/]*/)?(test_\w+\.py)?::(test_\w+)", row):
+            current = files.get(file) if file else current
+            cited += 1
+            if current is None or not re.search(rf"^def {name}\(", current.read_text(), re.M):
+                missing.append(f"{file or '(same file)'}::{name}")
+    assert cited > 30 and not missing, missing

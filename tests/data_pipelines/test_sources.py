@@ -191,5 +191,8 @@ def test_cli_from_dir_and_from_text_in_process(tmp_path, capsys):
     assert main(["--from-text", str(tmp_path / "t.txt"), "--text-unit", "paragraph", "--out", out]) == 0
     manifest, got = _read(tmp_path / "o" / "train")
     assert [s.segments[0].text for s in got] == ["one", "two"] and manifest["source"]["unit"] == "paragraph"
-    assert main(["--from-text", str(tmp_path / "nope.txt"), "--out", out]) == 1
+    # Nothing to write over an existing dataset: refused (exit 2), the dataset kept; into a new folder: exit 1.
+    assert main(["--from-text", str(tmp_path / "nope.txt"), "--out", out]) == 2
+    assert "nothing written" in capsys.readouterr().err and _read(tmp_path / "o" / "train")[0] == manifest
+    assert main(["--from-text", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "new")]) == 1
     assert "nothing written" in capsys.readouterr().err

@@ -290,3 +290,55 @@ def test_tail_r_pools_counts_rather_than_averaging_step_ratios(tmp_path):
     assert train["r_image"]["token_weighted_last_10pct"] == pytest.approx(1010 / 501)
     assert train["r_text"]["token_weighted_last_10pct"] == pytest.approx(2.0)
     assert train["r"]["token_weighted_last_10pct"] == pytest.approx(1050 / 521)
+
+
+def _run_with_nonfinite_steps(run_dir: Path) -> Path:
+    """Ten steps at R = 2; NaN, inf, the string "nan" and a trainer-skipped step among them, plus a NaN eval."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lines = [{"step": s, "loss": 1.0, "lm_loss": 1.0, "r": 2.0, "r_text": 2.0} for s in range(1, 11)]
+    lines[2]["loss"] = lines[2]["lm_loss"] = float("nan")  # json.dumps writes NaN, as the trainer's writer would
+    lines[4]["r"] = float("inf")
+    lines[6]["ratio_loss"] = "nan"
+    lines[7] = {"step": 8, "lr": 1e-3, "skipped": True, "nonfinite_total": 1}  # the DeepSpeed loop's skipped step
+    lines.append({"step": 10, "split": "eval", "loss": float("nan"), "r": 2.0})
+    return _write_lines(run_dir / "metrics.jsonl", lines)
+
+
+def test_nonfinite_losses_and_r_are_counted_and_flagged_never_dropped(tmp_path, caplog):
+    path = _run_with_nonfinite_steps(tmp_path / "run")
+    assert "NaN" in path.read_text() and "Infinity" in path.read_text()
+    with caplog.at_level(logging.WARNING):
+        records = load_records(tmp_path / "run")
+    s = summarize(records)
+    assert s["nonfinite_steps"] == 4
+    t = s["train"]
+    assert t["steps"] == 10 and t["nonfinite_steps"] == 4 and t["nonfinite_at"] == [3, 5, 7, 8]
+    assert t["nonfinite_by_key"] == {"lm_loss": 1, "loss": 1, "r": 1, "ratio_loss": 1, "skipped": 1}
+    assert t["eval"]["nonfinite_records"] == 1
+    assert t["r"]["n"] == 8 and t["scalars"]["loss"]["n"] == 8  # left out of the statistics, not poisoning them
+    assert len(s["warnings"]) == 1 and "4 training steps with a non-finite loss or R" in s["warnings"][0]
+    assert "at steps 3, 5, 7, 8" in s["warnings"][0] and "1 eval records" in s["warnings"][0]
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "non-finite" in r.getMessage()]
+    assert len(warned) == 1 and "warning: 4 training steps" in warned[0]
+
+    clean = summarize(load_records(_training_run(tmp_path / "clean")))
+    assert clean["nonfinite_steps"] == 0 and clean["warnings"] == [] and clean["train"]["nonfinite_at"] == []
+
+
+def test_nonfinite_sample_r_is_counted(tmp_path):
+    lines = [{"task": "t", "doc_id": i, "tokens": 10, "concepts": 5, "r": r} for i, r in enumerate([2.0, "NaN", 2.0])]
+    s = summarize(load_records(_write_lines(tmp_path / "r_stats_t.jsonl", lines)))
+    assert s["eval"]["nonfinite_samples"] == 1 and s["eval"]["tasks"]["t"]["r"]["n"] == 3  # R from the counts
+    assert "1 evaluation samples with a non-finite R" in s["warnings"][0]
+
+
+def test_cli_warns_about_nonfinite_steps_on_stderr_and_in_the_json(tmp_path):
+    _run_with_nonfinite_steps(tmp_path / "run")
+    proc = _cli(tmp_path / "run")
+    assert proc.returncode == 0, proc.stderr
+    warned = [line for line in proc.stderr.splitlines() if "warning: 4 training steps with a non-finite" in line]
+    assert len(warned) == 1, proc.stderr
+    assert "4 steps with a non-finite loss or R" in proc.stderr  # the closing overview line says it too
+    summary = json.loads((tmp_path / "run" / "r_report.json").read_text())  # strict JSON: no NaN written back
+    assert summary["nonfinite_steps"] == 4 and summary["train"]["nonfinite_at"] == [3, 5, 7, 8]
+    assert (tmp_path / "run" / "r_report.png").read_bytes().startswith(PNG_SIGNATURE)

@@ -8,6 +8,10 @@ joint-decoding projectors in every decoder layer (Eq. 11), and, optionally, the 
 strategy 2).
 With ``chunking="none"`` the converted model computes exactly what the source computes.
 
+A checkpoint folder is read tensor by tensor (safetensors only) and checked first: every tensor the source
+architecture has must be there with its shape, or the conversion is refused (:class:`ConversionError`, one line);
+tensors it does not have are refused too unless ``allow_extra`` (then named in a warning and in the report).
+
 Supported families: see :data:`FAMILIES`; anything else (dense models included) is refused with the list.
 """
 
@@ -18,11 +22,13 @@ import logging
 import os
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from vlm.accounting.flops import count, match_report
+from vlm.accounting.source_checkpoint import ConversionError, first_line, listed, read_checkpoint
 from vlm.backbone.config import ConceptMoEConfig
 from vlm.backbone.model import ConceptMoEForCausalLM
 
@@ -38,6 +44,8 @@ class Family:
     biases only; ``all_bias``: attribute enabling q/k/v *and* o_proj biases (o_proj bias has no
     counterpart here, so it is refused); ``norm_topk``: attribute of the renormalisation flag (None: always
     renormalised, Mixtral); ``gated_shared``: a sigmoid-gated shared expert of its own width (Qwen2-MoE).
+    ``saved_moe`` / ``saved_experts``: how ``save_pretrained`` names the MoE block and each expert's gate / up /
+    down projection (one tensor per expert on disk, fused in memory).
     """
 
     experts: str
@@ -47,13 +55,21 @@ class Family:
     all_bias: str | None = None
     norm_topk: str | None = "norm_topk_prob"
     gated_shared: bool = False
+    saved_moe: str = "mlp"
+    saved_experts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
 
 
 FAMILIES: dict[str, Family] = {
     "OlmoeForCausalLM": Family("num_experts", "intermediate_size", qk_norm="full", all_bias="attention_bias"),
     "Qwen2MoeForCausalLM": Family("num_experts", "moe_intermediate_size", qkv_bias="qkv_bias", gated_shared=True),
     "Qwen3MoeForCausalLM": Family("num_experts", "moe_intermediate_size", qk_norm="head", all_bias="attention_bias"),
-    "MixtralForCausalLM": Family("num_local_experts", "intermediate_size", norm_topk=None),
+    "MixtralForCausalLM": Family(
+        "num_local_experts",
+        "intermediate_size",
+        norm_topk=None,
+        saved_moe="block_sparse_moe",
+        saved_experts=("w1", "w3", "w2"),
+    ),
 }
 
 # Source weight suffix inside ``model.layers.<i>.`` -> ConceptMoE Block suffix. Experts are handled apart.
@@ -225,37 +241,56 @@ class Conversion:
     report: dict = field(default_factory=dict)
 
 
-def load_source(src: str | os.PathLike | PreTrainedModel) -> PreTrainedModel:
-    """The source model: as given, or loaded from a local HF folder after its family has been checked."""
+def read_source_config(src: str | os.PathLike) -> PretrainedConfig:
+    """``config.json`` of a local checkpoint folder, of a supported family; else a one-line ``ConversionError``."""
+    if not Path(src).is_dir():
+        raise ConversionError(f"{src}: no such checkpoint folder")
+    try:
+        config = AutoConfig.from_pretrained(src)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConversionError(f"{src}: cannot read config.json ({first_line(e)})") from None
+    family_of(config)
+    return config
+
+
+def load_source(src: str | os.PathLike | PreTrainedModel, allow_extra: bool = False):
+    """(HF config, state dict, ignored tensor names) of a model, or of a local HF folder whose family, features
+    and tensors are checked before any weight is read (see :func:`read_checkpoint`)."""
     if isinstance(src, PreTrainedModel):
         if not getattr(src.config, "architectures", None):
             src.config.architectures = [type(src).__name__]
-        return src
-    family_of(AutoConfig.from_pretrained(src))  # refuse unsupported families before reading any weight
-    return AutoModelForCausalLM.from_pretrained(src, dtype="auto")
+        return src.config, src.state_dict(), []
+    hf_config = read_source_config(src)
+    source_fields(hf_config)  # refuse unsupported features before reading any weight
+    return (hf_config, *read_checkpoint(src, hf_config, family_of(hf_config)[1], allow_extra))
 
 
-def convert(src: str | os.PathLike | PreTrainedModel, *, seq_len: int = 4096, **recipe) -> Conversion:
+def convert(
+    src: str | os.PathLike | PreTrainedModel, *, seq_len: int = 4096, allow_extra: bool = False, **recipe
+) -> Conversion:
     """Convert ``src`` (a supported HF MoE or its folder) into a ``ConceptMoEForCausalLM``.
 
     ``recipe``: the keyword arguments of :func:`conversion_configs`. The report holds params / FLOPs of the
     source and of the converted model (``vlm.accounting.flops.count``, FLOPs at ``seq_len`` and the target R) and their
-    ``match_report``.
+    ``match_report``. A folder with tensors the architecture lacks is refused unless ``allow_extra``.
     """
-    source = load_source(src)
-    arch, _ = family_of(source.config)
-    source_config, config = conversion_configs(source.config, **recipe)
-    dtype = next(source.parameters()).dtype
+    hf_config, src_sd, ignored = load_source(src, allow_extra)
+    arch, _ = family_of(hf_config)
+    source_config, config = conversion_configs(hf_config, **recipe)
+    dtype = src_sd["model.embed_tokens.weight"].dtype
     model = ConceptMoEForCausalLM(config)
-    missing, unexpected = model.load_state_dict(convert_state_dict(source.state_dict(), config), strict=False)
+    missing, unexpected = model.load_state_dict(convert_state_dict(src_sd, config), strict=False)
     untouched = [k for k in missing if not _NEW_KEYS.fullmatch(k)]
     if untouched or unexpected:
-        raise RuntimeError(f"weight mapping incomplete: missing {untouched}, unexpected {unexpected}")
+        raise ConversionError(
+            f"weight mapping incomplete: missing {listed(untouched)}, unexpected {listed(unexpected)}"
+        )
     model.to(dtype).eval()
     report = dict(
         source_architecture=arch,
         layers=dict(encoder=config.encoder_layers, concept=config.concept_layers, decoder=config.decoder_layers),
         new_weights=sorted(missing),
+        ignored_source_tensors=ignored,
         source=count(source_config, seq_len),
         converted=count(config, seq_len),
         match=match_report(source_config, config, seq_len),

@@ -36,8 +36,57 @@ def new_cache(model) -> ConceptMoECache:
     )
 
 
-def check_prefill(layout: SeqLayout) -> None:
-    """Generation continues one left-padded document per row."""
+def position_limit(config) -> int | None:
+    """The model's position limit: ``max_position_embeddings`` of the config, or of its ``text_config`` (the VLM)."""
+    for c in (config, getattr(config, "text_config", None)):
+        limit = getattr(c, "max_position_embeddings", None)
+        if limit:
+            return int(limit)
+    return None
+
+
+def check_prompt(ids_BN: torch.Tensor | None, mask_BN: torch.Tensor | None) -> int | None:
+    """The longest prompt in real tokens (= positions it takes: positions restart at 0 after left padding);
+    a one-line ``ValueError`` for an empty prompt or an empty row. None when there is no prompt tensor."""
+    if ids_BN is None:
+        return None
+    if ids_BN.dim() < 2 or ids_BN.shape[0] == 0 or ids_BN.shape[1] == 0:
+        raise ValueError(
+            f"generate: the prompt is empty (shape {tuple(ids_BN.shape)}): pass at least one token per row"
+        )
+    if mask_BN is None:
+        return int(ids_BN.shape[1])
+    real_B = mask_BN.bool().sum(dim=1)
+    if bool((real_B == 0).any()):
+        row = int((real_B == 0).nonzero()[0, 0])
+        raise ValueError(f"generate: prompt row {row} is empty (its attention_mask has no 1): every row needs a token")
+    return int(real_B.max())
+
+
+def check_positions(config, prompt_tokens: int, new_tokens: int = 0) -> None:
+    """Prompt + new tokens must fit the model's positions 0 .. max_position_embeddings - 1 (as HF counts
+    ``max_length``: every token of the final sequence gets a position); else a one-line ``ValueError``."""
+    limit = position_limit(config)
+    if limit is None:
+        return
+    if prompt_tokens > limit:
+        raise ValueError(f"generate: the prompt has {prompt_tokens} tokens, more than max_position_embeddings={limit}")
+    if prompt_tokens + new_tokens > limit:
+        raise ValueError(
+            f"generate: prompt of {prompt_tokens} tokens + max_new_tokens={new_tokens} = {prompt_tokens + new_tokens} "
+            f"positions, more than max_position_embeddings={limit}; lower max_new_tokens to {limit - prompt_tokens}"
+        )
+
+
+def check_prefill(layout: SeqLayout, max_positions: int | None = None) -> None:
+    """Generation continues one left-padded document per row, each non-empty and within ``max_positions``."""
+    if layout.valid_BN.shape[1] == 0:
+        raise ValueError("generation needs a prompt of at least one token per row (got an empty prompt)")
+    if not bool(layout.valid_BN.any(dim=1).all()):
+        raise ValueError("generation needs at least one real token per row (a row's attention_mask has no 1)")
+    if max_positions is not None and int(layout.pos_BN.max()) >= max_positions:
+        n = int(layout.pos_BN.max()) + 1
+        raise ValueError(f"the prompt takes {n} positions, more than max_position_embeddings={max_positions}")
     if not bool(layout.valid_BN[:, -1].all()):
         raise ValueError("generation needs left-padded prompts: the last column of every row must be a real token")
     if bool((layout.start_BN.sum(dim=1) > 1).any()):
@@ -148,6 +197,9 @@ def decode(model, h_BnD: torch.Tensor, cache: ConceptMoECache, new_valid_Bn: tor
     """n new tokens per row after a prefill, one step at a time; returns the final-norm states [B, n, D]."""
     if new_valid_Bn is not None and not bool(new_valid_Bn.all()):
         raise ValueError("tokens after the prompt must all be real (attention_mask 1): padding is prompt-side only")
+    limit = model.config.max_position_embeddings
+    if int(cache.pos_B.max()) + h_BnD.shape[1] > limit:
+        raise ValueError(f"decoding past max_position_embeddings={limit} (positions 0..{limit - 1} are all used)")
     outs = [decode_step(model, h_BnD[:, i], cache) for i in range(h_BnD.shape[1])]
     return model.norm(torch.stack(outs, dim=1))
 
@@ -161,3 +213,19 @@ class ConceptMoEGenerationMixin(GenerationMixin):
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         return False
+
+    def generate(self, inputs=None, generation_config=None, **kwargs):
+        """HF ``generate``, refusing up front (one-line ``ValueError``) an empty prompt, an empty row, and a prompt
+        that, with ``max_new_tokens``, would run past ``max_position_embeddings``."""
+        ids_BN = inputs if inputs is not None else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+        self._prompt_tokens = check_prompt(ids_BN, kwargs.get("attention_mask"))
+        try:
+            return super().generate(inputs, generation_config, **kwargs)
+        finally:
+            self._prompt_tokens = None
+
+    def _validate_generated_length(self, generation_config, input_ids_length, has_default_max_length):
+        """HF's checks, after the position budget: positions count real tokens, so the longest row's prompt."""
+        prompt = getattr(self, "_prompt_tokens", None) or input_ids_length
+        check_positions(self.config, prompt, generation_config.max_length - input_ids_length)
+        super()._validate_generated_length(generation_config, input_ids_length, has_default_max_length)

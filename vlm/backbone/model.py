@@ -196,7 +196,7 @@ class ConceptMoEModel(ConceptMoEPreTrainedModel):
         """The cache this forward fills (generation's prefill), or None when nothing is cached."""
         if not (use_cache or cache is not None):
             return None
-        check_prefill(layout)
+        check_prefill(layout, self.config.max_position_embeddings)
         return cache if cache is not None else new_cache(self)
 
     def aux_losses(self, chunk: _ChunkOutput | None, layout: SeqLayout, modality_BN, router_stats) -> dict:

@@ -1,5 +1,6 @@
 """The model and processor a training config describes: ``model.preset`` / ``model.overrides`` on a fresh model, or
-``model.init_from`` a saved ConceptMoE folder; used by the training loop and by the export."""
+``model.init_from`` a saved ConceptMoE folder; used by the training loop and by the export. ``check_data``: before
+the model is built, that the shards hold a usable sample."""
 
 from __future__ import annotations
 
@@ -8,18 +9,13 @@ from pathlib import Path
 
 import torch
 
+from data_pipelines.loader import make_dataloader
 from data_pipelines.tokenizer import load_tokenizer
 from vision_tower import ImageProcessor
-from vlm.backbone.config import CHUNKING_SETTINGS, rename_legacy_fields
+from vlm.backbone.config import rename_legacy_fields
 from vlm.model import ConceptMoEVLM
 from vlm.processor import VLMProcessor
-from vlm.training.config import ConfigError
-
-# What ``model.overrides`` may change on a loaded checkpoint: the chunking settings ``set_chunking`` takes (training
-# fields that never change a weight shape).
-# plus the VLM's training switches (stage 2 unfreezes what stage 1 froze).
-VLM_OVERRIDABLE = ("freeze_vision", "freeze_backbone", "modality_boundaries")
-INIT_OVERRIDABLE = (*CHUNKING_SETTINGS, *VLM_OVERRIDABLE)
+from vlm.training.config import INIT_OVERRIDABLE, VLM_OVERRIDABLE, ConfigError
 
 
 def init_from_checkpoint(config: dict, processor: VLMProcessor) -> ConceptMoEVLM:
@@ -62,11 +58,20 @@ def init_from_checkpoint(config: dict, processor: VLMProcessor) -> ConceptMoEVLM
     return model
 
 
+def build_processor(config: dict) -> VLMProcessor:
+    """``data.tokenizer`` (the shipped one when unset) and an image processor of ``data.max_patches``."""
+    try:
+        tokenizer = load_tokenizer(config["data"]["tokenizer"])
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"data.tokenizer: {str(err).strip().splitlines()[0]}") from None
+    return VLMProcessor(tokenizer, ImageProcessor(max_patches=config["data"]["max_patches"]))
+
+
 def build_model(config: dict) -> tuple[ConceptMoEVLM, VLMProcessor]:
     """The model and its processor from ``model.preset`` / ``model.overrides`` (or ``model.init_from``) and the
     tokenizer; the model carries the tokenizer's bos / eos (``<|end|>`` and end of text) / pad ids."""
     data = config["data"]
-    processor = VLMProcessor(load_tokenizer(data["tokenizer"]), ImageProcessor(max_patches=data["max_patches"]))
+    processor = build_processor(config)
     torch.manual_seed(config["train"]["seed"])  # identical initial weights on every rank
     if config["model"]["init_from"]:
         model = init_from_checkpoint(config, processor)
@@ -80,3 +85,35 @@ def build_model(config: dict) -> tuple[ConceptMoEVLM, VLMProcessor]:
         **{**processor.special_token_ids, **config["model"]["overrides"]},
     )
     return model, processor
+
+
+def _no_sample_message(key: str, loader) -> str:
+    """Why ``loader`` gave no batch: its skip counters (``loader.stats()``), or an empty shard list."""
+    skipped = {kind: n for kind, n in loader.stats()["skipped"].items() if n}
+    shards = f"{len(loader.cfg['shards'])} shard(s)"
+    if not skipped:
+        return f"data.{key}: no usable sample in {shards}: they hold no sample"
+    kinds = ", ".join(f"{kind}: {n}" for kind, n in sorted(skipped.items(), key=lambda kv: -kv[1]))
+    hint = " (raise data.seq_len or set data.split_documents)" if "too_long" in skipped else ""
+    return f"data.{key}: no usable sample in {shards}: {sum(skipped.values())} skipped ({kinds}){hint}"
+
+
+def check_data(config: dict, processor: VLMProcessor | None = None) -> None:
+    """``data.shards`` and ``data.eval_shards`` (when set) each give a packed row: read through the training
+    loader (same shard expansion, decoding, skip rules and packing), in order, stopping at the first row, so it
+    costs a few samples unless the shards hold none usable. Raises a one-line ConfigError with the skip counts."""
+    data = config["data"]
+    processor = processor or build_processor(config)
+    for key in ("shards", "eval_shards"):
+        if not data[key]:
+            continue
+        try:
+            loader = make_dataloader(
+                data[key], processor.tokenizer, processor.image_processor, seq_len=data["seq_len"], batch_size=1,
+                num_workers=0, seed=config["train"]["seed"], epochs=1, image_token_id=processor.image_token_id,
+                shuffle=False, split_documents=data["split_documents"], loss_on=data["loss_on"],
+            )  # fmt: skip
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"data.{key}: {str(err).strip().splitlines()[0]}") from None
+        if next(iter(loader), None) is None:
+            raise ConfigError(_no_sample_message(key, loader))

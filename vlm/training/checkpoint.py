@@ -1,22 +1,40 @@
-"""Checkpoints: DeepSpeed ``save_checkpoint`` into a temporary tag, per-rank client files (data loader position
-and RNG states), then rename to the final tag and point ``latest_complete`` at it (written atomically) once every
-rank has finished. An interrupted write is never picked up; the last ``keep_last`` complete checkpoints stay."""
+"""Checkpoints that are complete or absent, verified before they are trusted, and never executed.
+
+Writing ``checkpoints/step_XXXXXXXX``: DeepSpeed's ``save_checkpoint`` into ``tmp-step_XXXXXXXX``, each rank's own
+state (data loader position, RNG states) as JSON, then, once every rank is done, rank 0 writes ``manifest.json``
+(every file with its size and SHA-256, ``vlm.training.manifest``), renames the folder to its final tag, points
+``latest_complete`` at it (atomic write) and prunes. An interrupted write is never picked up.
+
+Reading: the folder must verify against its manifest for this world size (``verify``); every ``torch.load``, ours
+and DeepSpeed's, goes through the restricted unpickler (``vlm.training.safe_load``). Which checkpoint a run resumes
+from is ``vlm.training.resume``.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
+import re
 import shutil
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from vlm.training.manifest import verify, write_manifest, write_text_atomic
+from vlm.training.safe_load import weights_only_loading
+
 log = logging.getLogger(__name__)
 
 LATEST = "latest_complete"
 TMP_PREFIX = "tmp-"
+TAG_RE = re.compile(r"step_(\d{8})")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message is one line."""
 
 
 def checkpoint_dir(run_dir: str) -> str:
@@ -27,23 +45,46 @@ def tag_for(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def step_of(tag: str) -> int | None:
+    """The step a tag names, ``None`` for anything that is not exactly ``step_XXXXXXXX``."""
+    match = TAG_RE.fullmatch(tag)
+    return int(match.group(1)) if match else None
+
+
+def rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def rank_state_file(rank: int) -> str:
+    return f"rank_state_{rank:05d}.json"
+
+
+# -- RNG states as JSON (no pickle) ------------------------------------------------------------------------------
+
+
 def rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": [version, list(internal), gauss],
+        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state().tolist(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return state
 
 
 def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-
-
-def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
 
 
 def _barrier() -> None:
@@ -51,76 +92,71 @@ def _barrier() -> None:
         dist.barrier()
 
 
+# -- writing ------------------------------------------------------------------------------------------------------
+
+
 def save(engine, run_dir: str, step: int, client_state: dict, rank_state: dict, keep_last: int) -> str:
-    """Save a complete checkpoint for ``step``; ``rank_state`` (loader position, RNG) is saved per rank."""
+    """Save a complete checkpoint for ``step``; ``rank_state`` (JSON-able: loader position, RNG) is saved per rank."""
     root, tag = checkpoint_dir(run_dir), tag_for(step)
     tmp_tag = TMP_PREFIX + tag
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank, world_size = rank_and_world()
     if rank == 0:
         shutil.rmtree(os.path.join(root, tmp_tag), ignore_errors=True)
     _barrier()
     engine.save_checkpoint(root, tag=tmp_tag, client_state=client_state, save_latest=False)
-    torch.save(rank_state, os.path.join(root, tmp_tag, f"rank_state_{rank:05d}.pt"))
+    with open(os.path.join(root, tmp_tag, rank_state_file(rank)), "w", encoding="utf-8") as f:
+        json.dump(rank_state, f)
     _barrier()
     if rank == 0:
+        write_manifest(os.path.join(root, tmp_tag), step, world_size)
         final = os.path.join(root, tag)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(os.path.join(root, tmp_tag), final)
-        _write_atomic(os.path.join(root, LATEST), tag)
-        prune(root, keep_last)
+        write_text_atomic(os.path.join(root, LATEST), tag)
+        prune(root, keep_last, keep=tag)
         log.info("checkpoint %s complete", final)
     _barrier()
     return tag
 
 
-def complete_tags(root: str) -> list[str]:
+def step_tags(root: str) -> list[str]:
+    """The ``step_XXXXXXXX`` folders of ``root``, oldest first (complete or not: ``verify`` says)."""
     if not os.path.isdir(root):
         return []
-    return sorted(t for t in os.listdir(root) if t.startswith("step_") and os.path.isdir(os.path.join(root, t)))
+    tags = [t for t in os.listdir(root) if step_of(t) is not None and os.path.isdir(os.path.join(root, t))]
+    return sorted(tags, key=step_of)
 
 
-def prune(root: str, keep_last: int) -> None:
-    """Drop all but the newest ``keep_last`` complete checkpoints, and stale temporary ones."""
-    latest = latest_tag(root)
-    for tag in complete_tags(root)[:-keep_last]:
-        if tag != latest:
-            shutil.rmtree(os.path.join(root, tag), ignore_errors=True)
+def prune(root: str, keep_last: int, keep: str) -> None:
+    """Drop all but the newest ``keep_last`` checkpoints and stale temporary folders; ``keep`` (the checkpoint just
+    written and verified) is never dropped, nor anything newer than it."""
+    tags = step_tags(root)
+    newest_kept = tags[: tags.index(keep) + 1] if keep in tags else []
+    for tag in newest_kept[:-keep_last]:
+        shutil.rmtree(os.path.join(root, tag), ignore_errors=True)
     for name in os.listdir(root):
         if name.startswith(TMP_PREFIX):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
-def latest_tag(root: str) -> str | None:
-    path = os.path.join(root, LATEST)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        tag = f.read().strip()
-    return tag if os.path.isdir(os.path.join(root, tag)) else None
-
-
-def resolve_resume(run_dir: str, resume: str | None) -> tuple[str, str] | None:
-    """``auto``: the latest complete checkpoint of ``run_dir`` (None when there is none); a path: that tag folder."""
-    if resume is None:
-        return None
-    if resume == "auto":
-        root = checkpoint_dir(run_dir)
-        tag = latest_tag(root)
-        return (root, tag) if tag else None
-    path = os.path.abspath(resume.rstrip("/"))
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"--resume {resume!r}: no such checkpoint folder")
-    return os.path.dirname(path), os.path.basename(path)
+# -- reading ------------------------------------------------------------------------------------------------------
 
 
 def load(engine, root: str, tag: str) -> tuple[dict, dict]:
-    """Restore engine (model, optimiser) from ``root/tag``; returns (client_state, this rank's rank_state)."""
-    path, client_state = engine.load_checkpoint(root, tag=tag, load_optimizer_states=True)
+    """Restore engine (model, optimiser) from ``root/tag`` after verifying it; returns (client_state, this rank's
+    rank_state). Raises ``CheckpointError`` (one line) when the checkpoint does not verify or will not load."""
+    rank, world_size = rank_and_world()
+    folder = os.path.join(root, tag)
+    problem = verify(folder, world_size)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {folder}: {problem}")
+    with weights_only_loading():
+        path, client_state = engine.load_checkpoint(root, tag=tag, load_optimizer_states=True)
     if path is None:
-        raise RuntimeError(f"DeepSpeed could not load checkpoint {os.path.join(root, tag)}")
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    rank_file = os.path.join(root, tag, f"rank_state_{rank:05d}.pt")
-    if not os.path.isfile(rank_file):
-        raise FileNotFoundError(f"{rank_file} missing: was the checkpoint written with a different world size?")
-    rank_state = torch.load(rank_file, weights_only=False)
+        raise CheckpointError(f"DeepSpeed could not load checkpoint {folder}")
+    try:
+        with open(os.path.join(folder, rank_state_file(rank)), encoding="utf-8") as f:
+            rank_state = json.load(f)
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"checkpoint {folder}: {rank_state_file(rank)} unreadable ({err})") from None
     return client_state, rank_state

@@ -14,34 +14,47 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 
 import yaml
 
 from vlm.training import checkpoint
 from vlm.training.build import build_model
+from vlm.training.checkpoint import CheckpointError
+from vlm.training.manifest import verify
+from vlm.training.resume import newest_verified
+from vlm.training.safe_load import UnsafeCheckpointError, weights_only_loading
 
 log = logging.getLogger(__name__)
 
 
 def full_state_dict(root: str, tag: str) -> dict:
-    """fp32 weights of a checkpoint: gathered from the ZeRO partitions, or the plain module state without ZeRO."""
+    """fp32 weights of a checkpoint: gathered from the ZeRO partitions, or the plain module state without ZeRO;
+    every file is read with the restricted unpickler (``vlm.training.safe_load``)."""
     import torch
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     plain = os.path.join(root, tag, "mp_rank_00_model_states.pt")  # stage 0-2 (stage 3 writes zero_pp_rank_*)
-    if os.path.isfile(plain):
-        states = torch.load(plain, map_location="cpu", weights_only=False)
-        if states.get("param_shapes") is None:  # stage 0: the module's own state dict
-            return states["module"]
-    return get_fp32_state_dict_from_zero_checkpoint(root, tag=tag)
+    with weights_only_loading():
+        if os.path.isfile(plain):
+            states = torch.load(plain, map_location="cpu")
+            if states.get("param_shapes") is None:  # stage 0: the module's own state dict
+                return states["module"]
+        return get_fp32_state_dict_from_zero_checkpoint(root, tag=tag)
 
 
 def export_checkpoint(run_dir: str, out_dir: str, tag: str | None = None) -> str:
-    """Writes the model and processor of ``run_dir``'s checkpoint ``tag`` (default: latest complete) to ``out_dir``."""
+    """Writes the model and processor of ``run_dir``'s checkpoint ``tag`` (default: the newest that verifies) to
+    ``out_dir``; raises ``CheckpointError`` (one line) when that checkpoint does not verify."""
     root = checkpoint.checkpoint_dir(run_dir)
-    tag = tag or checkpoint.latest_tag(root)
     if tag is None:
-        raise FileNotFoundError(f"{root}: no complete checkpoint to export")
+        tag, skipped = newest_verified(root, world_size=None)
+        if tag is None:
+            reasons = "".join(f"; {t}: {p}" for t, p in skipped.items())
+            raise CheckpointError(f"{root}: no complete checkpoint to export{reasons}")
+    problem = verify(os.path.join(root, tag))
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {os.path.join(root, tag)}: {problem}")
     with open(os.path.join(run_dir, "config.yaml")) as f:
         config = yaml.safe_load(f)
     model, processor = build_model(config)
@@ -63,11 +76,15 @@ def export_checkpoint(run_dir: str, out_dir: str, tag: str | None = None) -> str
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir")
-    parser.add_argument("--tag", default=None, help="checkpoint tag (default: the latest complete one)")
+    parser.add_argument("--tag", default=None, help="checkpoint tag (default: the newest one that verifies)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    print(export_checkpoint(args.run_dir, args.out, args.tag))
+    try:
+        print(export_checkpoint(args.run_dir, args.out, args.tag))
+    except (CheckpointError, UnsafeCheckpointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -17,8 +17,10 @@ import torch.distributed as dist
 from data_pipelines.loader import make_dataloader
 from vlm.training import checkpoint
 from vlm.training.build import build_model
+from vlm.training.checkpoint import CheckpointError
 from vlm.training.export import export_checkpoint
 from vlm.training.metrics import MetricsWriter
+from vlm.training.resume import Found, find_checkpoint, set_aside_newer, truncate_metrics
 from vlm.training.step import (
     NonFiniteGuard,
     NonFiniteLossError,
@@ -78,6 +80,25 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _agreed_checkpoint(run_dir: str, resume: str | None, rank: int, world_size: int) -> Found | None:
+    """Rank 0 finds (and verifies) the checkpoint to resume from and sets aside newer broken ones; every rank gets
+    its answer, or the same one-line ``CheckpointError``."""
+    answer = [None]
+    if rank == 0:
+        try:
+            found = find_checkpoint(run_dir, resume, world_size)
+            if found is not None:
+                set_aside_newer(found, run_dir)
+            answer = [found]
+        except CheckpointError as err:
+            answer = [str(err)]
+    if world_size > 1:
+        dist.broadcast_object_list(answer, src=0)
+    if isinstance(answer[0], str):
+        raise CheckpointError(answer[0])
+    return answer[0]
+
+
 def run(config: dict, run_dir: str, deepspeed_json: str | None = None, resume: str | None = None) -> dict:
     """Train per ``config`` into ``run_dir``; returns the last step's metrics record."""
     import deepspeed
@@ -87,6 +108,7 @@ def run(config: dict, run_dir: str, deepspeed_json: str | None = None, resume: s
     rank, world_size = dist.get_rank(), dist.get_world_size()
     os.makedirs(run_dir, exist_ok=True)
     train = config["train"]
+    found = _agreed_checkpoint(run_dir, resume, rank, world_size)  # before the model is built: fails fast
     model, processor = build_model(config)
     engine, *_ = deepspeed.initialize(
         model=model,
@@ -96,13 +118,14 @@ def run(config: dict, run_dir: str, deepspeed_json: str | None = None, resume: s
     _seed_everything(train["seed"] + rank)
     loader = make_loader(config, processor, config["data"]["shards"], rank, world_size)
     step, guard = 0, NonFiniteGuard(train["max_nonfinite"])
-    found = checkpoint.resolve_resume(run_dir, resume)
     if found is not None:
-        client, rank_state = checkpoint.load(engine, *found)
+        client, rank_state = checkpoint.load(engine, found.root, found.tag)
         step, guard.total = client["step"], client["nonfinite_total"]
         loader.load_state_dict(rank_state["loader"])
         checkpoint.set_rng_state(rank_state["rng"])
-        log.info("resumed from %s/%s at step %d", *found, step)
+        if rank == 0:
+            truncate_metrics(run_dir, step)
+        log.info("resumed from %s/%s at step %d", found.root, found.tag, step)
     settings = TrainSettings(steps=train["max_steps"], lr=train["lr"], warmup=train["warmup"],
                              min_lr_ratio=train["min_lr_ratio"])  # fmt: skip
     target_r = model.config.text_config.effective_r

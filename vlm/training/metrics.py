@@ -88,7 +88,8 @@ class MetricsWriter:
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(os.path.join(run_dir, "tb"))
+            # a resumed run rewrites the steps after its checkpoint: TensorBoard drops its old events for them
+            self.tb = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=start_step + 1 if start_step else None)
         except ImportError as err:
             log.info("TensorBoard logging off (%s)", err)
 

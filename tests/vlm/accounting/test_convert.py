@@ -6,7 +6,9 @@ CLI, errors."""
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import runpy
 import subprocess
 import sys
@@ -15,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers as T
+from safetensors.torch import load_file, save_file
 
 from vlm import ConceptMoEForCausalLM, ConceptMoEVLM
 from vlm.accounting.convert import FAMILIES, conversion_configs, convert, save_conversion
@@ -169,6 +172,110 @@ def test_cli_refuses_a_dense_checkpoint_with_exit_code_2(tmp_path, monkeypatch, 
     assert exit_info.value.code == 2
     assert "unsupported architecture LlamaForCausalLM" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------- checkpoint folders: complete or refused
+SCRIPT = os.path.join(REPO, "scripts", "convert_to_conceptmoe.py")
+
+
+def saved_source(folder: Path, family: str = "qwen3_moe", **kw) -> tuple[T.PreTrainedModel, Path]:
+    """A tiny random source and its ``save_pretrained`` folder (one safetensors file, experts saved one by one)."""
+    source = random_source(family, **kw)
+    source.save_pretrained(folder)
+    return source, folder
+
+
+def edit_tensors(folder: Path, edit) -> None:
+    """Rewrite ``model.safetensors`` after ``edit(tensors)`` changed the name -> tensor dict in place."""
+    tensors = load_file(folder / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def run_script(*args: str) -> int:
+    """``main()`` of scripts/convert_to_conceptmoe.py in this process; its exit code (0 when it returns)."""
+    try:
+        runpy.run_path(SCRIPT)["main"](list(args))
+    except SystemExit as e:
+        return e.code
+    return 0
+
+
+@pytest.mark.parametrize("family,kw", [(f, {}) for f in sorted(TINY)] + [("qwen3_moe", {"tie_word_embeddings": True})])
+def test_folder_conversion_reads_saved_experts_and_reproduces_the_source(tmp_path, family, kw):
+    source, folder = saved_source(tmp_path / "src", family, **kw)
+    conv = convert(folder, chunking="none", encoder_layers=1, decoder_layers=2)
+    assert conv.report["ignored_source_tensors"] == []
+    ids_BN, mask_BN = left_padded_batch(COMMON["vocab_size"])
+    position_ids = (mask_BN.cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad():
+        want = source(input_ids=ids_BN, attention_mask=mask_BN, position_ids=position_ids).logits
+        got = conv.model(input_ids=ids_BN, attention_mask=mask_BN).logits
+    valid = mask_BN.bool()
+    assert torch.allclose(got[valid], want[valid], atol=1e-4), (got[valid] - want[valid]).abs().max()
+
+
+def _drop_layer(tensors: dict, layer: int) -> None:
+    for key in [k for k in tensors if k.startswith(f"model.layers.{layer}.")]:
+        del tensors[key]
+
+
+def _truncate(folder: Path) -> None:
+    path = folder / "model.safetensors"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+BROKEN = {  # fault -> (how the folder is broken, a regex the one-line error must match)
+    "no_embeddings": (lambda d: edit_tensors(d, lambda t: t.pop("model.embed_tokens.weight")),
+                      re.escape("1 missing (model.embed_tokens.weight)")),
+    "missing_expert": (lambda d: edit_tensors(d, lambda t: t.pop("model.layers.2.mlp.experts.3.up_proj.weight")),
+                       re.escape("1 missing (model.layers.2.mlp.experts.3.up_proj.weight)")),
+    "missing_layer": (lambda d: edit_tensors(d, lambda t: _drop_layer(t, 4)), r"missing \(.*, \.\.\. and \d+ more\)"),
+    "wrong_shape": (lambda d: edit_tensors(d, lambda t: t.update({"model.norm.weight": torch.ones(63)})),
+                    r"1 with a wrong shape \(model\.norm\.weight \[63\] != \[64\]\)"),
+    "extra_tensor": (lambda d: edit_tensors(d, lambda t: t.update({"model.mtp.proj.weight": torch.ones(4, 4)})),
+                     r"1 not in the architecture \(model\.mtp\.proj\.weight; --allow-extra"),
+    "truncated_file": (_truncate, re.escape("model.safetensors: not a readable safetensors file")),
+    "unreadable_config": (lambda d: (d / "config.json").write_text("{not json"), "cannot read config.json"),
+    "no_config": (lambda d: (d / "config.json").unlink(), "cannot read config.json"),
+    "no_weights": (lambda d: (d / "model.safetensors").unlink(), "no \\*.safetensors weights"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("fault", list(BROKEN))
+def test_cli_refuses_an_incomplete_or_broken_checkpoint_with_one_line(tmp_path, capsys, fault):
+    _, folder = saved_source(tmp_path / "src")
+    breaks, message = BROKEN[fault]
+    breaks(folder)
+    capsys.readouterr()
+    code = run_script("--src", str(folder), "--out", str(tmp_path / "out"), "--encoder-layers", "1",
+                      "--decoder-layers", "1")  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("convert_to_conceptmoe: error: "), err
+    assert re.search(message, err), err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+    with pytest.raises(ValueError):  # the library refuses too: never a partly random model
+        convert(folder, chunking="none", encoder_layers=1, decoder_layers=1)
+
+
+def test_allow_extra_converts_and_names_the_ignored_tensors(tmp_path, caplog):
+    source, folder = saved_source(tmp_path / "src")
+    extra = {f"model.mtp.layers.{i}.weight": torch.ones(4, 4) for i in range(7)}
+    edit_tensors(folder, lambda t: t.update(extra))
+    with caplog.at_level(logging.WARNING, logger="vlm.accounting.convert"):
+        code = run_script("--src", str(folder), "--out", str(tmp_path / "out"), "--chunking", "none",
+                          "--encoder-layers", "1", "--decoder-layers", "1", "--allow-extra")  # fmt: skip
+    assert code == 0
+    warning = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warning) == 1 and "ignoring 7 tensors not in the architecture: model.mtp.layers.0.weight" in warning[0]
+    assert "... and 2 more" in warning[0]
+    report = json.loads((tmp_path / "out" / "conversion_report.json").read_text())
+    assert report["ignored_source_tensors"] == sorted(extra)
+    converted = ConceptMoEForCausalLM.from_pretrained(tmp_path / "out").eval()
+    ids_BN = torch.randint(0, COMMON["vocab_size"], (2, 9))
+    with torch.no_grad():
+        assert torch.allclose(converted(input_ids=ids_BN).logits, source(input_ids=ids_BN).logits, atol=1e-4)
 
 
 def _train_hf(model, batches, steps: int, lr: float) -> None:

@@ -204,3 +204,69 @@ def test_beam_search_reorders_the_cache_like_recomputing_without_one():
     ids, mask, _ = left_padded_batch([8, 5], total=8, seed=7)
     kwargs = dict(attention_mask=mask, max_new_tokens=6, num_beams=3, do_sample=False)
     assert torch.equal(model.generate(ids, **kwargs), model.generate(ids, use_cache=False, **kwargs))
+
+
+# ----------------------------------------------------------------------------- bad prompts: one-line errors
+def _one_line(err: pytest.ExceptionInfo) -> str:
+    message = str(err.value)
+    assert "\n" not in message and message
+    return message
+
+
+@torch.no_grad()
+def test_generate_refuses_an_empty_prompt_or_an_empty_row():
+    model = make_lm()
+    with pytest.raises(ValueError, match="prompt is empty") as err:
+        model.generate(torch.zeros(2, 0, dtype=torch.long), max_new_tokens=3)
+    _one_line(err)
+    ids, mask, _ = left_padded_batch([4, 3], total=4)
+    mask[1] = 0  # the second row has no real token at all
+    with pytest.raises(ValueError, match="prompt row 1 is empty") as err:
+        model.generate(ids, attention_mask=mask, max_new_tokens=3)
+    _one_line(err)
+    with pytest.raises(ValueError, match="at least one token"):  # a prefill by hand, without generate
+        model(input_ids=torch.zeros(1, 0, dtype=torch.long), use_cache=True)
+
+
+@torch.no_grad()
+def test_generate_refuses_prompt_plus_new_tokens_beyond_max_position_embeddings():
+    model = make_lm(max_position_embeddings=24)
+    ids = torch.randint(3, 96, (1, 25), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="prompt has 25 tokens, more than max_position_embeddings=24") as err:
+        model.generate(ids, max_new_tokens=1, do_sample=False)
+    _one_line(err)
+    with pytest.raises(ValueError, match="prompt has 25 tokens"):  # HF's default max_length: still this error
+        model.generate(ids, do_sample=False)
+    with pytest.raises(ValueError, match=r"20 tokens \+ max_new_tokens=5 = 25 positions.*lower max_new_tokens to 4"):
+        model.generate(ids[:, :20], max_new_tokens=5, do_sample=False)
+    assert model.generate(ids[:, :20], max_new_tokens=4, do_sample=False).shape == (1, 24)  # exactly the limit
+    # positions count real tokens (they restart after left padding), not the padded width: 18 + 6 fits
+    ids, mask, _ = left_padded_batch([18, 9], total=18)
+    ids, mask = (torch.cat([torch.zeros(2, 4, dtype=torch.long), t], 1) for t in (ids, mask))  # padded to width 22
+    assert model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False).shape == (2, 28)
+    with pytest.raises(ValueError, match="18 tokens \\+ max_new_tokens=7"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=7, do_sample=False)
+    # by hand: a prefill past the limit, and decoding past it, are refused too
+    long_ids = torch.randint(3, 96, (1, 25))
+    with pytest.raises(ValueError, match="25 positions, more than max_position_embeddings=24"):
+        model(input_ids=long_ids, use_cache=True)
+    out = model(input_ids=long_ids[:, :24], use_cache=True)
+    with pytest.raises(ValueError, match="decoding past max_position_embeddings=24"):
+        model(input_ids=long_ids[:, 24:], attention_mask=torch.ones(1, 25, dtype=torch.long), cache=out.cache)
+
+
+@torch.no_grad()
+def test_vlm_generate_refuses_empty_and_too_long_prompts(processor):
+    batch = processor(text=["<image> what colour is the shape?"], images=[images(1)], padding_side="left")
+    width = batch["input_ids"].shape[1]  # image slots included: they take positions like text tokens
+    torch.manual_seed(0)
+    model = ConceptMoEVLM.from_preset("tiny", image_token_id=processor.image_token_id, max_patches=64,
+                                      max_position_embeddings=width + 2).eval()  # fmt: skip
+    assert model.config.text_config.max_position_embeddings == width + 2
+    with pytest.raises(ValueError, match="prompt is empty") as err:
+        model.generate(input_ids=torch.zeros(1, 0, dtype=torch.long), max_new_tokens=2)
+    _one_line(err)
+    with pytest.raises(ValueError, match=f"prompt of {width} tokens \\+ max_new_tokens=3") as err:
+        model.generate(**batch, max_new_tokens=3, do_sample=False)
+    _one_line(err)
+    assert model.generate(**batch, max_new_tokens=2, do_sample=False).shape == (1, width + 2)

@@ -7,75 +7,16 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
+from train_kit import ROOT, TINY, env, run_train, step_records, train_cmd
 
 from vlm.training.build import build_model
 from vlm.training.config import ConfigError, load_config
+from vlm.training.manifest import verify
 from vlm.training.single_process import LocalEngine
 from vlm.training.step import NonFiniteGuard, NonFiniteLossError, train_step
-
-ROOT = Path(__file__).resolve().parents[3]
-VENV_BIN = Path(sys.executable).parent
-TINY = ROOT / "scripts" / "configs" / "tiny.yaml"
-
-
-def env(port: int | None = None) -> dict:
-    e = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        e.pop(key, None)
-    if port is not None:
-        e["MASTER_PORT"] = str(port)
-    return e
-
-
-@pytest.fixture(scope="session")
-def shards(tmp_path_factory):
-    out = tmp_path_factory.mktemp("shards")
-    cmd = [sys.executable, str(ROOT / "scripts" / "make_shards.py"), "--synthetic", "scenes,text", "--out", str(out),
-           "--num-samples", "48", "--seed", "0"]  # fmt: skip
-    subprocess.run(cmd, check=True, capture_output=True, env=env())
-    return out
-
-
-def overrides(shards, **train) -> list[str]:
-    sets = [f"data.shards=[{shards / 'train'}]", f"data.eval_shards=[{shards / 'eval'}]", "data.seq_len=256"]
-    sets += [f"train.{k}={v}" for k, v in train.items()]
-    return [arg for s in sets for arg in ("--set", s)]
-
-
-def train_cmd(run_dir, shards, launcher="python", zero=None, resume=None, **train) -> list[str]:
-    port = str(29700 + os.getpid() % 200)
-    head = (
-        [sys.executable]
-        if launcher == "python"
-        else [str(VENV_BIN / "deepspeed"), "--num_gpus", "2", "--master_port", port]
-    )
-    cmd = head + [str(ROOT / "scripts" / "train_vlm.py"), "--config", str(TINY), "--out", str(run_dir)]
-    if zero is not None:
-        cmd += ["--deepspeed", str(ROOT / "scripts" / "configs" / f"zero{zero}.json")]
-    if resume is not None:
-        cmd += ["--resume", resume]
-    return cmd + overrides(shards, **train)
-
-
-def run_train(*args, timeout=240, **kwargs) -> subprocess.CompletedProcess:
-    proc = subprocess.run(train_cmd(*args, **kwargs), capture_output=True, text=True, env=env(), timeout=timeout,
-                          cwd=ROOT)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
-
-
-def step_records(run_dir) -> dict[int, dict]:
-    """The last record per step (a resumed run repeats the steps after its checkpoint)."""
-    records = {}
-    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if rec.get("split") != "eval":
-            records[rec["step"]] = rec
-    return records
 
 
 def test_wrong_config_field_fails_at_start_with_one_line_error(tmp_path):
@@ -134,8 +75,9 @@ def test_two_process_deepspeed_zero2_trains_checkpoints_and_logs(shards, tmp_pat
     assert all(e["eval_r_image"] is None or e["eval_r_image"] >= 1.0 for e in evals)
     ckpt = run / "checkpoints"
     assert (ckpt / "latest_complete").read_text() == "step_00000003"
-    assert sorted(p.name for p in (ckpt / "step_00000003").glob("rank_state_*.pt")) == [
-        "rank_state_00000.pt", "rank_state_00001.pt"]  # fmt: skip
+    assert sorted(p.name for p in (ckpt / "step_00000003").glob("rank_state_*")) == [
+        "rank_state_00000.json", "rank_state_00001.json"]  # fmt: skip
+    assert verify(str(ckpt / "step_00000003"), world_size=2) is None  # the manifest lists both ranks' files
     assert (run / "config.yaml").is_file()
 
 
