@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import random
-import socket
 import time
 
 import numpy as np
@@ -18,6 +17,7 @@ from data_pipelines.loader import make_dataloader
 from vlm.training import checkpoint
 from vlm.training.build import build_model
 from vlm.training.checkpoint import CheckpointError
+from vlm.training.distributed import init_distributed
 from vlm.training.export import export_checkpoint
 from vlm.training.metrics import MetricsWriter
 from vlm.training.resume import Found, find_checkpoint, set_aside_newer, truncate_metrics
@@ -32,17 +32,6 @@ from vlm.training.step import (
 )
 
 log = logging.getLogger(__name__)
-
-
-def setup_distributed() -> None:
-    """Plain ``python`` runs as a single process: set what the launchers would."""
-    if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
-                           ("MASTER_PORT", str(port))):  # fmt: skip
-            os.environ.setdefault(key, value)
 
 
 def deepspeed_config(config: dict, path: str | None, world_size: int) -> dict:
@@ -103,8 +92,7 @@ def run(config: dict, run_dir: str, deepspeed_json: str | None = None, resume: s
     """Train per ``config`` into ``run_dir``; returns the last step's metrics record."""
     import deepspeed
 
-    setup_distributed()
-    deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
+    init_distributed()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     os.makedirs(run_dir, exist_ok=True)
     train = config["train"]
