@@ -47,7 +47,10 @@ EVAL_LIMIT := 24
 EVAL_TASKS := cmoe_sceneqa,cmoe_refloc,cmoe_niah,cmoe_longdoc
 # The task definitions plus their generated data (data/ is git-ignored), relative to the repository root.
 EVAL_DIR := eval/tasks
-DS := $(BIN)/deepspeed --num_gpus 2 scripts/train_vlm.py --deepspeed scripts/configs/zero2.json
+# The launcher's rendezvous port: a second run on this host needs another one (`make demo MASTER_PORT=29611`).
+MASTER_PORT ?= 29500
+DS := $(BIN)/deepspeed --num_gpus 2 --master_port $(MASTER_PORT) scripts/train_vlm.py \
+	--deepspeed scripts/configs/zero2.json
 demo: venv
 	test -f $(DEMO_DATA)/captions/train/manifest.json || $(BIN)/python scripts/make_shards.py \
 		--synthetic scenes --out $(DEMO_DATA)/captions --num-samples 600 --seed 0

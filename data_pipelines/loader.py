@@ -25,7 +25,14 @@ Faults. ``read_tar_groups`` reads each tar with ``tarfile`` streaming; an archiv
 it are kept, the group being read is dropped, reading goes on with the next shard. A key whose members are not
 adjacent (``non_adjacent_key``) or one with a member over ``max_member_bytes`` (``member_too_large``) is one
 skipped sample. Decoding raises ``SkipSample`` (schema), packing adds ``too_long``; each skip is counted, logged
-(rate-limited) and the stream goes on. Counters are cumulative over epochs; ``loader.stats()`` sums them over workers.
+(rate-limited; the rest at DEBUG on ``data_pipelines.loader.skips``) and the stream goes on. Counters are cumulative
+over epochs; ``loader.stats()`` sums them over workers.
+
+Shards in object storage. A shard spec may also be a URL webdataset's ``gopen`` opens (``pipe:CMD``,
+``http(s)://...``, brace patterns expanded; ``tar_reader.expand_shards``): read as a stream with the same checks (a
+stream cut anywhere is a ``truncated_tar``, and so is a command that exits with a failure status, its status in the
+message). Sharding across ranks and workers and the resume state are the same as for local files (positions count
+groups, not bytes); resuming inside a remote shard reads it again from its start and skips to the position.
 """
 
 from __future__ import annotations
@@ -49,8 +56,21 @@ from data_pipelines.tar_reader import MAX_MEMBER_BYTES, TruncatedTar, expand_sha
 from vision_tower import ImageProcessor
 
 logger = logging.getLogger(__name__)
+skip_logger = logging.getLogger(f"{__name__}.skips")  # one record per skipped sample (the checker's --verbose)
 
 STATE_VERSION = 1
+# The ``data`` section defaults of a training config (``vlm.training.config.SCHEMA`` reads them; so does
+# ``python -m data_pipelines.check --config``); ``shards`` has none: it must be given.
+DATA_DEFAULTS = {
+    "eval_shards": None,
+    "tokenizer": None,  # None: the package's tokenizer (``data_pipelines.tokenizer.load_tokenizer``)
+    "seq_len": 256,
+    "batch_size": 2,
+    "num_workers": 0,
+    "max_patches": 64,  # the image processor's patch budget per image
+    "split_documents": False,
+    "loss_on": "auto",  # one of data_pipelines.packing.LOSS_ON
+}
 
 
 def _zero_counts() -> dict:
@@ -70,7 +90,8 @@ def _fresh_state() -> dict:
 
 
 class _SkipLog:
-    """One warning per skip for the first few of each kind, then at most one per ``interval`` seconds."""
+    """One warning per skip for the first few of each kind, then at most one per ``interval`` seconds; the others
+    at DEBUG level (``skip_logger``)."""
 
     def __init__(self, first: int = 5, interval: float = 10.0):
         self.first, self.interval, self.last = first, interval, {}
@@ -79,7 +100,9 @@ class _SkipLog:
         now = time.monotonic()
         if total <= self.first or now - self.last.get(kind, -1e9) >= self.interval:
             self.last[kind] = now
-            logger.warning("skipped sample [%s, %d so far in this worker]: %s", kind, total, message)
+            skip_logger.warning("skipped sample [%s, %d so far in this worker]: %s", kind, total, message)
+        else:
+            skip_logger.debug("skipped sample [%s, %d so far in this worker]: %s", kind, total, message)
 
 
 class _WorkerStream:
@@ -317,7 +340,8 @@ def make_dataloader(
     loss_on: str = "auto",
     max_member_bytes: int = MAX_MEMBER_BYTES,
 ) -> ShardLoader:
-    """Packed ``[batch_size, seq_len]`` batches from webdataset shards (paths, brace patterns, globs, folders).
+    """Packed ``[batch_size, seq_len]`` batches from webdataset shards (paths, brace patterns, globs, folders, and
+    ``file:`` / ``pipe:`` / ``http(s)://`` specs: ``tar_reader.expand_shards``).
 
     Batches hold ``input_ids, attention_mask, labels, doc_ids, position_ids, modality_ids`` ([B, N] long) and
     ``patches, patch_coord, patch_valid, grid_hw`` for the images of all rows in order: ``model(**batch)``.

@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from vlm.training.build import check_data  # noqa: E402
 from vlm.training.checkpoint import CheckpointError  # noqa: E402
 from vlm.training.config import ConfigError, check_paths, load_config, save_config  # noqa: E402
+from vlm.training.ds_config import deepspeed_config  # noqa: E402
 from vlm.training.resume import prepare_run_dir  # noqa: E402
 from vlm.training.safe_load import UnsafeCheckpointError  # noqa: E402
 
@@ -25,7 +26,9 @@ from vlm.training.safe_load import UnsafeCheckpointError  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True)
-    parser.add_argument("--deepspeed", default=None, help="DeepSpeed JSON (ZeRO stage); default: no ZeRO")
+    parser.add_argument(
+        "--deepspeed", default=None, help="DeepSpeed JSON (ZeRO stage, precision, optimiser, scheduler, monitors)"
+    )
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     parser.add_argument("--out", required=True, help="run folder")
     parser.add_argument(
@@ -40,13 +43,14 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config, args.set)
         check_paths(config)
         check_data(config)
+        ds_config = deepspeed_config(config, args.deepspeed, int(os.environ.get("WORLD_SIZE", "1")))
         prepare_run_dir(args.out, args.resume, args.overwrite, is_rank0=rank == 0)
         os.makedirs(args.out, exist_ok=True)
         if rank == 0:
             save_config(config, os.path.join(args.out, "config.yaml"))
         from vlm.training.loop import run
 
-        run(config, args.out, args.deepspeed, args.resume)
+        run(config, args.out, ds_config, args.resume)
     except (ConfigError, CheckpointError, UnsafeCheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -60,6 +60,7 @@ OUTPUT_NAMES = {
     "vlm_processor_config.json",  # written by the processor before it was a transformers one (still read)
     "image_processor_config.json",
     "test.jsonl",
+    "ds_config.json",  # a run's effective DeepSpeed config
     "rank_state_*.json",  # a checkpoint's per-rank state (docs/reliability.md)
     "*_results.json",  # lmms-eval's results file
 }

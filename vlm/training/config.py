@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import yaml
 
+from data_pipelines.loader import DATA_DEFAULTS
 from data_pipelines.packing import LOSS_ON
 from data_pipelines.tar_reader import expand_shards
 from vlm.backbone.config import CHUNKING_SETTINGS, RENAMED_FIELDS, ConceptMoEConfig
@@ -30,14 +31,15 @@ SCHEMA: dict[str, dict[str, tuple]] = {
     },
     "data": {
         "shards": (REQUIRED, (list, str)),
-        "eval_shards": (None, (list, str, type(None))),
-        "tokenizer": (None, (str, type(None))),
-        "seq_len": (256, (int,)),
-        "batch_size": (2, (int,)),
-        "num_workers": (0, (int,)),
-        "max_patches": (64, (int,)),
-        "split_documents": (False, (bool,)),
-        "loss_on": ("auto", (str,)),  # one of data_pipelines.packing.LOSS_ON
+        # defaults: data_pipelines.loader.DATA_DEFAULTS (python -m data_pipelines.check --config reads them too)
+        "eval_shards": (DATA_DEFAULTS["eval_shards"], (list, str, type(None))),
+        "tokenizer": (DATA_DEFAULTS["tokenizer"], (str, type(None))),
+        "seq_len": (DATA_DEFAULTS["seq_len"], (int,)),
+        "batch_size": (DATA_DEFAULTS["batch_size"], (int,)),
+        "num_workers": (DATA_DEFAULTS["num_workers"], (int,)),
+        "max_patches": (DATA_DEFAULTS["max_patches"], (int,)),
+        "split_documents": (DATA_DEFAULTS["split_documents"], (bool,)),
+        "loss_on": (DATA_DEFAULTS["loss_on"], (str,)),  # one of data_pipelines.packing.LOSS_ON
     },
     "train": {
         "max_steps": (REQUIRED, (int,)),
@@ -281,7 +283,9 @@ def save_config(config: dict, path: str) -> None:
 
 # ----------------------------------------------------------------------------- paths that must exist
 def _shards_problem(patterns: list[str]) -> str | None:
-    """Expanded as the loader expands them (paths, brace patterns, globs, folders of ``*.tar``)."""
+    """Expanded as the loader expands them (paths, brace patterns, globs, folders of ``*.tar``; a ``file:`` path is
+    checked on the local filesystem; a URL such as ``pipe:CMD`` or ``http(s)://...`` is not: ``build.check_data``
+    reads it)."""
     try:
         expand_shards(patterns)
     except (OSError, ValueError) as err:
@@ -310,7 +314,8 @@ PATH_RULES: dict[str, Callable[[object], str | None]] = {
 
 def check_paths(config: dict) -> None:
     """Every path the config names exists (``PATH_RULES``), so that none is found missing hours into a run (an
-    evaluation's shards at the first evaluation). Raises a one-line ConfigError naming the field."""
+    evaluation's shards at the first evaluation); shard URLs (``pipe:``, ``http(s)://``) are not looked for on the
+    local filesystem. Raises a one-line ConfigError naming the field."""
     for key, problem_of in PATH_RULES.items():
         section, name = key.split(".")
         value = config[section][name]

@@ -18,7 +18,9 @@ from vlm.training import checkpoint
 from vlm.training.build import build_model
 from vlm.training.checkpoint import CheckpointError
 from vlm.training.distributed import init_distributed
+from vlm.training.ds_config import DS_CONFIG_FILE, deepspeed_config, schedule_owner
 from vlm.training.export import export_checkpoint
+from vlm.training.manifest import write_text_atomic
 from vlm.training.metrics import MetricsWriter
 from vlm.training.resume import Found, find_checkpoint, set_aside_newer, truncate_metrics
 from vlm.training.step import (
@@ -28,29 +30,11 @@ from vlm.training.step import (
     evaluate,
     lr_at,
     next_batches,
+    precision_of,
     train_step,
 )
 
 log = logging.getLogger(__name__)
-
-
-def deepspeed_config(config: dict, path: str | None, world_size: int) -> dict:
-    """The DeepSpeed JSON (ZeRO stage etc.) with batch, accumulation, clipping and optimiser filled from the YAML."""
-    ds = {"zero_optimization": {"stage": 0}}
-    if path is not None:
-        with open(path) as f:
-            ds = json.load(f)
-    train, data = config["train"], config["data"]
-    ds["train_micro_batch_size_per_gpu"] = data["batch_size"]
-    ds["gradient_accumulation_steps"] = train["grad_accum"]
-    ds["train_batch_size"] = data["batch_size"] * train["grad_accum"] * world_size
-    ds["gradient_clipping"] = float(train["grad_clip"])
-    ds.setdefault("optimizer", {"type": "AdamW", "params": {}})
-    params = ds["optimizer"].setdefault("params", {})
-    params.update(lr=float(train["lr"]), weight_decay=float(train["weight_decay"]), torch_adam=True)
-    params.setdefault("betas", [0.9, 0.95])
-    ds.setdefault("steps_per_print", 10**9)
-    return ds
 
 
 def make_loader(config: dict, processor, shards: list[str], rank: int, world_size: int, shuffle: bool = True):
@@ -88,21 +72,25 @@ def _agreed_checkpoint(run_dir: str, resume: str | None, rank: int, world_size: 
     return answer[0]
 
 
-def run(config: dict, run_dir: str, deepspeed_json: str | None = None, resume: str | None = None) -> dict:
-    """Train per ``config`` into ``run_dir``; returns the last step's metrics record."""
+def run(config: dict, run_dir: str, ds_config: dict | str | None = None, resume: str | None = None) -> dict:
+    """Train per ``config`` into ``run_dir`` with the DeepSpeed config ``ds_config`` (reconciled with ``config`` by
+    ``vlm.training.ds_config.deepspeed_config``; a JSON path or None is reconciled here); returns the last step's
+    metrics record."""
     import deepspeed
 
     init_distributed()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     os.makedirs(run_dir, exist_ok=True)
     train = config["train"]
+    ds = deepspeed_config(config, ds_config, world_size)
     found = _agreed_checkpoint(run_dir, resume, rank, world_size)  # before the model is built: fails fast
+    if rank == 0:
+        write_text_atomic(os.path.join(run_dir, DS_CONFIG_FILE), json.dumps(ds, indent=2))
     model, processor = build_model(config)
     engine, *_ = deepspeed.initialize(
-        model=model,
-        model_parameters=[p for p in model.parameters() if p.requires_grad],
-        config=deepspeed_config(config, deepspeed_json, world_size),
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds
     )
+    log.info("learning rate: %s; precision: %s", schedule_owner(ds), precision_of(engine))
     _seed_everything(train["seed"] + rank)
     loader = make_loader(config, processor, config["data"]["shards"], rank, world_size)
     step, guard = 0, NonFiniteGuard(train["max_nonfinite"])
@@ -118,8 +106,10 @@ def run(config: dict, run_dir: str, deepspeed_json: str | None = None, resume: s
                              min_lr_ratio=train["min_lr_ratio"])  # fmt: skip
     target_r = model.config.text_config.effective_r
     writer = MetricsWriter(
-        run_dir, enabled=rank == 0, total_steps=train["max_steps"], start_step=step, log_every=train["log_every"]
-    )
+        run_dir, enabled=rank == 0, total_steps=train["max_steps"], start_step=step, log_every=train["log_every"],
+        monitor=engine.monitor if engine.monitor.enabled else None,
+    )  # fmt: skip
+    own_schedule = "scheduler" not in ds
     eval_on = bool(config["data"]["eval_shards"] and train["eval_every"])
 
     def save() -> None:
@@ -132,9 +122,10 @@ def run(config: dict, run_dir: str, deepspeed_json: str | None = None, resume: s
     engine.train()
     try:
         while step < train["max_steps"]:
-            lr = lr_at(step, settings)
-            for group in engine.optimizer.param_groups:
-                group["lr"] = lr
+            if own_schedule:
+                for group in engine.optimizer.param_groups:
+                    group["lr"] = lr_at(step, settings)
+            lr = engine.optimizer.param_groups[0]["lr"]  # what this step uses (the JSON's scheduler set it, if any)
             micro = next_batches(batches, train["grad_accum"])
             start = time.perf_counter()
             stats = train_step(engine, micro, guard, step + 1)

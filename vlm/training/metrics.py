@@ -77,8 +77,11 @@ def step_record(
 class MetricsWriter:
     """Rank 0 only (``enabled``): appends to ``RUN_DIR/metrics.jsonl``, TensorBoard scalars, a progress line."""
 
-    def __init__(self, run_dir: str, enabled: bool, total_steps: int, start_step: int = 0, log_every: int = 1):
+    def __init__(
+        self, run_dir: str, enabled: bool, total_steps: int, start_step: int = 0, log_every: int = 1, monitor=None
+    ):
         self.enabled, self.total_steps, self.start_step = enabled, total_steps, start_step
+        self.monitor = monitor  # DeepSpeed's MonitorMaster: the JSON's tensorboard / csv_monitor / wandb blocks
         self.log_every = log_every
         self.t0 = time.perf_counter()
         self.file = self.tb = None
@@ -98,11 +101,14 @@ class MetricsWriter:
             return
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
+        prefix = "eval/" if record.get("split") == "eval" else "train/"
+        scalars = {prefix + key: value for key, value in record.items()
+                   if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step"}  # fmt: skip
         if self.tb is not None:
-            prefix = "eval/" if record.get("split") == "eval" else "train/"
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
-                    self.tb.add_scalar(prefix + key, value, record["step"])
+            for name, value in scalars.items():
+                self.tb.add_scalar(name, value, record["step"])
+        if self.monitor is not None:
+            self.monitor.write_events([(name, value, record["step"]) for name, value in scalars.items()])
 
     def step_record(self, step: int, lr: float, target_r: float, stats: StepStats | None, elapsed: float, guard):
         """Builds, writes and prints one optimiser step's record (collective-free; stats are already reduced)."""

@@ -83,10 +83,40 @@ def all_reduce(values: list[float], op=None) -> list[float]:
     return t.tolist()
 
 
+def _module(engine) -> torch.nn.Module:
+    return getattr(engine, "module", engine)
+
+
+def placement(engine) -> tuple[torch.device, torch.dtype]:
+    """Where an engine's (or model's) inputs go: its device (``engine.device``: DeepSpeed's, ``LocalEngine``'s;
+    else its parameters') and the dtype of its floating-point weights (bf16 / fp16 when the DeepSpeed JSON says)."""
+    module = _module(engine)
+    param = next((p for p in module.parameters() if p.is_floating_point()), None)
+    device = getattr(engine, "device", None) or (param.device if param is not None else torch.device("cpu"))
+    return torch.device(device), (param.dtype if param is not None else torch.float32)
+
+
+def precision_of(engine) -> str:
+    return str(placement(engine)[1]).removeprefix("torch.")
+
+
+def to_engine(batch: dict, device: torch.device, dtype: torch.dtype) -> dict:
+    """A loader batch moved to the engine: every tensor to ``device``; floating-point ones (pixels) to ``dtype``
+    too. Integer tensors (ids, labels, positions, modality, doc ids) keep their dtype."""
+    out = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor):
+            value = value.to(device, dtype if value.is_floating_point() else None, non_blocking=True)
+        out[key] = value
+    return out
+
+
 def train_step(engine, batches: list[dict], guard: NonFiniteGuard, step: int) -> StepStats | None:
-    """One optimiser step over ``grad_accum`` micro-batches. Forwards run first so that a non-finite loss on
-    any rank skips the whole step (no backward, no optimiser step) on every rank. None when skipped."""
-    outs = [engine(**batch) for batch in batches]
+    """One optimiser step over ``grad_accum`` micro-batches, each moved to the engine's device and precision.
+    Forwards run first so that a non-finite loss on any rank skips the whole step (no backward, no optimiser step)
+    on every rank. None when skipped."""
+    device, dtype = placement(engine)
+    outs = [engine(**to_engine(batch, device, dtype)) for batch in batches]
     local_bad = float(any(not torch.isfinite(out.loss).item() for out in outs))
     skip = guard.update(all_reduce([local_bad], dist.ReduceOp.MAX if dist.is_initialized() else None)[0] == 0, step)
     if skip:
@@ -112,9 +142,10 @@ def evaluate(engine, batches: Iterable[dict], n_batches: int = 8) -> dict:
     counts = [0.0] * 6  # tokens, concepts: total, text, image
     with torch.random.fork_rng(devices=[]):  # starting a DataLoader's iterator draws from the global RNG
         held_out = list(itertools.islice(batches, n_batches))
+    device, dtype = placement(engine)
     for batch in held_out:
-        with torch.random.fork_rng(devices=[]):
-            out = engine(**batch)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            out = engine(**to_engine(batch, device, dtype))
         n = float((batch["labels"][:, 1:] != -100).sum())
         loss_sum += out.aux["lm_loss"].item() * n
         n_tokens += n

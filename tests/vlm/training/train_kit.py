@@ -3,8 +3,10 @@ config and read what the run wrote."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -65,3 +67,69 @@ def step_records(run_dir) -> dict[int, dict]:
             assert rec["step"] not in records, f"step {rec['step']} logged twice"
             records[rec["step"]] = rec
     return records
+
+
+def torchrun_node_cmd(run_dir, shards, node_rank: int, port: int, nnodes: int = 2, **kwargs) -> list[str]:
+    """One "node" of a multi-node run simulated on this host: ``torchrun`` with one process, rendezvous at
+    127.0.0.1:``port``; ``kwargs`` as ``train_cmd``'s (``zero``, ``resume``, train fields)."""
+    head = [str(VENV_BIN / "torchrun"), "--nnodes", str(nnodes), "--nproc_per_node", "1", "--node_rank",
+            str(node_rank), "--master_addr", "127.0.0.1", "--master_port", str(port)]  # fmt: skip
+    return head + train_cmd(run_dir, shards, launcher="python", **kwargs)[1:]
+
+
+def node_log(run_dir, node_rank: int) -> Path:
+    """Where ``start_nodes`` writes a node's output (appended to, so a resume adds to it)."""
+    return Path(run_dir).parent / f"{Path(run_dir).name}-node{node_rank}.log"
+
+
+def start_nodes(run_dir, shards, port: int, nnodes: int = 2, **kwargs) -> list[subprocess.Popen]:
+    """Start every node of a simulated multi-node run, each in its own session (``os.killpg`` ends one node);
+    output goes to ``node_log`` files, never a pipe nobody drains."""
+    procs = []
+    for rank in range(nnodes):
+        with open(node_log(run_dir, rank), "a") as log:
+            cmd = torchrun_node_cmd(run_dir, shards, rank, port, nnodes, **kwargs)
+            procs.append(subprocess.Popen(cmd, env=env(), cwd=ROOT, start_new_session=True, stdout=log, stderr=log))
+    return procs
+
+
+def wait_nodes(procs, run_dir, timeout=240) -> None:
+    """Wait for every node; a node that fails (or runs past ``timeout``) fails the test with its log's tail."""
+    for rank, proc in enumerate(procs):
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                kill_node(p)
+            rc = "timeout"
+        assert rc == 0, f"node {rank}: {rc}\n" + node_log(run_dir, rank).read_text()[-3000:]
+
+
+def kill_node(proc: subprocess.Popen) -> None:
+    """SIGKILL a whole simulated node at once: the ``torchrun`` agent and every process under it (torchrun starts
+    its workers in sessions of their own, so killing the agent's process group alone would leave them running)."""
+    import psutil
+
+    try:
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+    for p in tree:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+    deadline = time.time() + 30
+    while time.time() < deadline and not all(_dead(p) for p in tree):
+        time.sleep(0.05)
+
+
+def _dead(p) -> bool:
+    """Gone or a zombie (a killed worker whose agent died first is reaped by init, maybe late)."""
+    import psutil
+
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
