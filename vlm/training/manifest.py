@@ -34,7 +34,7 @@ def sha256_of(path: str) -> str:
     return digest.hexdigest()
 
 
-def _files(folder: str) -> list[str]:
+def list_files(folder: str) -> list[str]:
     """Every regular file under ``folder`` (relative paths, sorted), the manifest itself excluded."""
     out = []
     for base, _, names in os.walk(folder):
@@ -45,13 +45,19 @@ def _files(folder: str) -> list[str]:
     return sorted(out)
 
 
-def write_manifest(folder: str, step: int, world_size: int) -> dict:
-    """Checksum every file of ``folder`` and write ``folder/manifest.json`` last; returns the manifest."""
-    files = {}
-    for rel in _files(folder):
+def file_entries(folder: str, files: list[str]) -> dict[str, dict]:
+    """``{file: {"bytes", "sha256"}}`` for ``files`` of ``folder`` (ranks split a checkpoint's files among them)."""
+    out = {}
+    for rel in files:
         path = os.path.join(folder, rel)
-        files[rel] = {"bytes": os.path.getsize(path), "sha256": sha256_of(path)}
-    manifest = {"format": FORMAT, "step": step, "world_size": world_size, "files": files}
+        out[rel] = {"bytes": os.path.getsize(path), "sha256": sha256_of(path)}
+    return out
+
+
+def write_manifest(folder: str, step: int, world_size: int, entries: dict[str, dict] | None = None) -> dict:
+    """Write ``folder/manifest.json`` last, from ``entries`` (default: checksum every file here); returns it."""
+    files = entries if entries is not None else file_entries(folder, list_files(folder))
+    manifest = {"format": FORMAT, "step": step, "world_size": world_size, "files": dict(sorted(files.items()))}
     write_text_atomic(os.path.join(folder, MANIFEST), json.dumps(manifest, indent=1))
     return manifest
 
