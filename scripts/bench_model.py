@@ -8,6 +8,10 @@ in the same run. Forward + backward, fp32, batch 1, random init. Two row layouts
 as in training). ConceptMoE is shown with ``fixed`` chunking at exactly R = 2 and with the learned
 (``dynamic``) router; the dynamic router starts from random q/k here (p ~ 0.5, so R ~ 2 at init: the
 identity init of H-Net starts far above R = 2 on an untrained ``small`` model) and its measured R is printed.
+
+``--packed-vs-plain`` (issue #16) times instead, interleaved in one process, each model (``<preset>`` dynamic R=2 and
+``<preset>-moe``) on one plain causal row and on a packed row of ``--doc-len``-token documents of the same length
+(document-aware attention, ``vlm.backbone.doc_attention``) and prints packed / plain. Peak memory: bench_train.py.
 """
 
 from __future__ import annotations
@@ -57,6 +61,30 @@ def model_step(config: ConceptMoEConfig, seq_len: int, doc_len: int | None, stat
     return step
 
 
+def packed_vs_plain(preset: str, seq_lens: list[int], doc_len: int, repeats: int):
+    """Packed rows against one plain causal row of the same length, same model, timed round-robin."""
+    print(f"\npacked rows of {doc_len}-token documents vs one plain causal row (forward + backward):\n")
+    print("| seq len | MoE plain tok/s | MoE packed tok/s | ratio | ConceptMoE plain tok/s | packed tok/s | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for n in seq_lens:
+        longest = max(n, 8192)  # plain rows use positions up to n - 1
+        base_n = ConceptMoEConfig.from_preset(f"{preset}-moe", max_position_embeddings=longest)
+        cmoe_n = ConceptMoEConfig.from_preset(preset, boundary_router_init="random", max_position_embeddings=longest)
+        steps = {
+            "base plain": model_step(base_n, n, None, {}),
+            "base packed": model_step(base_n, n, doc_len, {}),
+            "cmoe plain": model_step(cmoe_n, n, None, {}),
+            "cmoe packed": model_step(cmoe_n, n, doc_len, {}),
+        }
+        tps = {name: n / sec for name, sec in interleaved_medians(steps, repeats).items()}
+        print(
+            f"| {n} | {tps['base plain']:,.0f} | {tps['base packed']:,.0f} "
+            f"| {tps['base packed'] / tps['base plain']:.2f}x | {tps['cmoe plain']:,.0f} | {tps['cmoe packed']:,.0f} "
+            f"| {tps['cmoe packed'] / tps['cmoe plain']:.2f}x |",
+            flush=True,
+        )
+
+
 def layer_step(module, x: torch.Tensor, grad: torch.Tensor):
     def step():
         module.zero_grad(set_to_none=True)
@@ -73,6 +101,8 @@ def main() -> None:
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds per model (median)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    parser.add_argument("--packed-vs-plain", action="store_true", help="packed vs plain causal rows (issue #16)")
+    parser.add_argument("--doc-len", type=int, default=512, help="document length of packed rows")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -83,6 +113,9 @@ def main() -> None:
     report = flops.match_report(base, cmoe)
     print(f"# {args.preset} vs {args.preset}-moe, torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"# params {report['params_mismatch']:+.2%}, linear FLOPs/token {report['flops_linear_mismatch']:+.2%}")
+    if args.packed_vs_plain:
+        packed_vs_plain(args.preset, args.seq_lens, args.doc_len, args.repeats)
+        return
     for layout, doc_len in (("one document per row", None), ("packed rows, 512-token documents", 512)):
         print(f"\n{layout}:\n")
         print("| seq len | MoE tok/s | ConceptMoE fixed R=2 tok/s | ratio | ConceptMoE dynamic tok/s | R | ratio |")

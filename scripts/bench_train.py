@@ -7,6 +7,11 @@ Every (model, seq len) cell runs in a fresh subprocess so that its memory peak (
 packed row of 512-token documents (``doc_ids``, as in training), median of ``--steps`` after a warm-up. Ratios
 are against the baseline measured in the same run.
 
+``--packed-vs-plain`` (issue #16) runs, for ``<preset>`` (R=2) and ``<preset>-moe``, one plain causal row (one
+document, no ``doc_ids``) and one packed row of ``--doc-len``-token documents of the same length, each cell in its own
+subprocess, and prints packed / plain tokens/s and peak RSS (``ru_maxrss`` of the cell's process: everything torch
+allocated on CPU, model, optimiser state and activations included; ``tracemalloc`` does not see torch's allocator).
+
 ``--scaling`` measures the real training script instead: ``deepspeed --num_gpus 1`` and ``--num_gpus 2`` runs of
 ``scripts/train_vlm.py`` (ZeRO-2) on synthetic shards, global and per-process tokens/s from ``metrics.jsonl``.
 """
@@ -24,7 +29,8 @@ import time
 import torch
 
 
-def one_cell(preset: str, seq_len: int, steps: int) -> dict:
+def one_cell(preset: str, seq_len: int, steps: int, doc_len: int = 512) -> dict:
+    """One optimiser step per row, median of ``steps`` after a warm-up; ``doc_len`` 0 = one plain causal row."""
     from vlm import ConceptMoEConfig, ConceptMoEForCausalLM
 
     torch.manual_seed(0)
@@ -34,7 +40,7 @@ def one_cell(preset: str, seq_len: int, steps: int) -> dict:
     model = ConceptMoEForCausalLM(config).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, config.vocab_size, (1, seq_len), device=device)
-    doc_ids = (torch.arange(seq_len, device=device) // 512)[None]
+    doc_ids = (torch.arange(seq_len, device=device) // doc_len)[None] if doc_len else None
     times, r = [], 1.0
     for i in range(steps + 1):
         start = time.perf_counter()
@@ -54,10 +60,31 @@ def one_cell(preset: str, seq_len: int, steps: int) -> dict:
     return {"tokens_per_s": seq_len / statistics.median(times), "peak_mb": peak_mb, "r": r, "device": device}
 
 
-def run_cell(preset: str, seq_len: int, steps: int) -> dict:
-    cmd = [sys.executable, __file__, "--cell", preset, str(seq_len), str(steps)]
+def run_cell(preset: str, seq_len: int, steps: int, doc_len: int = 512) -> dict:
+    cmd = [sys.executable, __file__, "--cell", preset, str(seq_len), str(steps), str(doc_len)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def packed_vs_plain(preset: str, seq_lens: list[int], steps: int, doc_len: int) -> None:
+    """Issue #16: packed rows (document-aware attention, no N x N mask) against one plain causal row, same length."""
+    print(
+        f"# packed rows of {doc_len}-token documents vs one plain causal row, one optimiser step, {torch.__version__}"
+    )
+    print(
+        "| model | tokens per row | plain tok/s | packed tok/s | speed ratio | plain peak MB | packed peak MB | ratio |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for model in (preset, f"{preset}-moe"):
+        for n in seq_lens:
+            plain = run_cell(model, n, steps, 0)
+            packed = run_cell(model, n, steps, doc_len)
+            print(
+                f"| {model} | {n} | {plain['tokens_per_s']:,.0f} | {packed['tokens_per_s']:,.0f} "
+                f"| {packed['tokens_per_s'] / plain['tokens_per_s']:.2f}x | {plain['peak_mb']:,.0f} "
+                f"| {packed['peak_mb']:,.0f} | {packed['peak_mb'] / plain['peak_mb']:.2f}x |",
+                flush=True,
+            )
 
 
 def scaling(preset: str, steps: int) -> None:
@@ -99,10 +126,15 @@ def main() -> None:
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 8192])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--scaling", action="store_true", help="1 vs 2 processes through scripts/train_vlm.py")
-    parser.add_argument("--cell", nargs=3, metavar=("PRESET", "SEQ_LEN", "STEPS"), help=argparse.SUPPRESS)
+    parser.add_argument("--packed-vs-plain", action="store_true", help="packed vs plain causal rows (issue #16)")
+    parser.add_argument("--doc-len", type=int, default=512, help="document length of packed rows")
+    parser.add_argument("--cell", nargs=4, metavar=("PRESET", "SEQ_LEN", "STEPS", "DOC_LEN"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cell:
-        print(json.dumps(one_cell(args.cell[0], int(args.cell[1]), int(args.cell[2]))))
+        print(json.dumps(one_cell(args.cell[0], int(args.cell[1]), int(args.cell[2]), int(args.cell[3]))))
+        return
+    if args.packed_vs_plain:
+        packed_vs_plain(args.preset, args.seq_lens, args.steps, args.doc_len)
         return
     if args.scaling:
         scaling(args.preset, max(args.steps, 8))

@@ -58,11 +58,11 @@ class Block(nn.Module):
     def forward(
         self, x_BND, cos, sin, layout: SeqLayout, concept_BND=None, kv=None
     ) -> tuple[torch.Tensor, RouterStats | None]:
-        x_BND = x_BND + self.attn(self.attn_norm(x_BND), cos, sin, layout.mask_B1NN, concept_BND, kv)
+        x_BND = x_BND + self.attn(self.attn_norm(x_BND), cos, sin, layout, concept_BND, kv)
         y_BND = self.ffn_norm(x_BND)
         if not isinstance(self.ffn, MoE):
             return x_BND + self.ffn(y_BND), None
-        if layout.mask_B1NN is None:  # no padding anywhere: every position is a real token
+        if layout.all_valid:  # no padding anywhere: every position is a real token
             out_TD, stats = self.ffn(y_BND.reshape(-1, y_BND.shape[-1]))
             return x_BND + out_TD.view_as(x_BND), stats
         out_TD, stats = self.ffn(y_BND[layout.valid_BN])  # padding never reaches the experts or the stats

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlm.backbone.layers import SeqLayout, attention_mask, positions_in_document
+from vlm.backbone.doc_attention import plan_doc_attention
+from vlm.backbone.layers import SeqLayout, positions_in_document
 
 
 @dataclass
@@ -170,13 +171,15 @@ def concept_layout(layout: SeqLayout, boundary_BM: torch.Tensor, valid_BM: torch
     doc_BM = torch.gather(layout.doc_BN, 1, boundary_BM)
     doc_BM = torch.where(valid_BM, doc_BM, torch.full_like(doc_BM, -2))
     start_BM = torch.gather(layout.start_BN, 1, boundary_BM) & valid_BM
-    plain = layout.mask_B1NN is None and bool(valid_BM.all())
+    all_valid = bool(valid_BM.all())
+    plain = layout.docs is None and all_valid  # one document per row, every concept slot used: causal fast path
     return SeqLayout(
         doc_BN=doc_BM,
         pos_BN=positions_in_document(doc_BM),
         valid_BN=valid_BM,
         start_BN=start_BM,
-        mask_B1NN=None if plain else attention_mask(doc_BM),
+        docs=None if plain else plan_doc_attention(doc_BM),  # packed concept rows: document-aware, O(M) memory
+        all_valid=all_valid,
     )
 
 

@@ -127,13 +127,15 @@ def _step_layout(pos_B: torch.Tensor, key_valid_BN: torch.Tensor) -> SeqLayout:
     """One new query per given row at RoPE position ``pos_B``, attending to the cached keys marked valid."""
     rows = pos_B.shape[0]
     real_B1 = torch.ones(rows, 1, dtype=torch.bool, device=pos_B.device)
-    mask = None if bool(key_valid_BN.all()) else key_valid_BN[:, None, None, :]
+    keys_B11N = None if bool(key_valid_BN.all()) else key_valid_BN[:, None, None, :]
     return SeqLayout(
         doc_BN=torch.zeros(rows, 1, dtype=torch.long, device=pos_B.device),
         pos_BN=pos_B[:, None],
         valid_BN=real_B1,
         start_BN=~real_B1,
-        mask_B1NN=mask,
+        docs=None,  # one query per row: the one-query path, with keys_B11N over the cache
+        keys_B11N=keys_B11N,
+        all_valid=True,
     )
 
 

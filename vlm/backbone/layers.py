@@ -1,7 +1,9 @@
 """Transformer building blocks: RMSNorm, RoPE, grouped-query attention (with joint QKV, Eq. 11), SwiGLU.
 
-Masks are boolean ``[B, 1, N, N]`` tensors (True = may attend) built by :func:`attention_mask`; ``None``
-means a plain causal mask over the whole row (the fast path of ``scaled_dot_product_attention``).
+Packed and padded rows attend through a :class:`~vlm.backbone.doc_attention.DocAttention` plan built once per
+layout from the document ids (no ``N x N`` mask is ever built, issue #16); ``None`` means one plain causal row (the
+fast path of ``scaled_dot_product_attention``). :func:`attention_mask` is the dense reference of the same rule, for
+tests and debugging only.
 """
 
 # Shape suffixes (docs/paper.md §0): B batch rows, N positions per row (tokens, or concepts when the concept model
@@ -15,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from vlm.backbone.doc_attention import DocAttention, doc_attention, plan_doc_attention
 
 
 class RMSNorm(nn.Module):
@@ -38,8 +42,10 @@ class SeqLayout:
     pos_BN: torch.Tensor  # long: position inside its document (RoPE restarts per document)
     valid_BN: torch.Tensor  # bool: real (non-padding) positions
     start_BN: torch.Tensor  # bool: first real position of each document
-    mask_B1NN: torch.Tensor | None  # bool attention mask, or None for plain causal
+    docs: DocAttention | None  # document-aware causal attention plan, or None for plain causal rows
     forced_BN: torch.Tensor | None = None  # bool: must-be boundaries (document starts + caller's); None = starts
+    keys_B11N: torch.Tensor | None = None  # decode steps only: which cached keys the lone query sees (None = all)
+    all_valid: bool = False  # no padding anywhere (every position is a real token)
 
     def __post_init__(self):
         if self.forced_BN is None:
@@ -47,10 +53,11 @@ class SeqLayout:
 
 
 def attention_mask(doc_BN: torch.Tensor) -> torch.Tensor:
-    """Causal and document-aware: position i attends to j <= i of the same document."""
+    """The dense reference [B, 1, N, N] (O(N²): tests and debugging only, the model never builds it): position i
+    attends to j <= i of the same document; padding (id < 0) attends nothing (an all-False row)."""
     n = doc_BN.shape[1]
     causal_NN = torch.ones(n, n, dtype=torch.bool, device=doc_BN.device).tril()
-    same_doc_BNN = doc_BN[:, :, None] == doc_BN[:, None, :]
+    same_doc_BNN = (doc_BN[:, :, None] == doc_BN[:, None, :]) & (doc_BN[:, :, None] >= 0)
     return (same_doc_BNN & causal_NN)[:, None]
 
 
@@ -79,7 +86,8 @@ def make_layout(
     span, so that no concept mixes text and image); document starts always are boundaries.
     """
     b, n = shape
-    plain = doc_BN is None and (valid_BN is None or bool(valid_BN.all()))
+    all_valid = valid_BN is None or bool(valid_BN.all())
+    plain = doc_BN is None and all_valid  # one document per row, no padding: SDPA's causal fast path
     if doc_BN is None:
         doc_BN = torch.zeros(b, n, dtype=torch.long, device=device)
     if valid_BN is None:
@@ -93,10 +101,15 @@ def make_layout(
     doc_BN = torch.where(valid_BN, segment_BN, torch.full_like(segment_BN, -1))
     if pos_BN is None:
         pos_BN = positions_in_document(doc_BN)
-    mask = None if plain else attention_mask(doc_BN)
     forced_BN = start_BN if boundary_BN is None else (start_BN | boundary_BN.bool()) & valid_BN
     return SeqLayout(
-        doc_BN=doc_BN, pos_BN=pos_BN.long(), valid_BN=valid_BN, start_BN=start_BN, mask_B1NN=mask, forced_BN=forced_BN
+        doc_BN=doc_BN,
+        pos_BN=pos_BN.long(),
+        valid_BN=valid_BN,
+        start_BN=start_BN,
+        docs=None if plain else plan_doc_attention(doc_BN),
+        forced_BN=forced_BN,
+        all_valid=all_valid,
     )
 
 
@@ -165,12 +178,14 @@ class Attention(nn.Module):
         x_BND: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask_B1NN: torch.Tensor | None,
+        layout: SeqLayout,
         concept_BND: torch.Tensor | None = None,
         kv=None,
     ) -> torch.Tensor:
-        """``mask_B1NN`` is [B, 1, n, keys] (None: causal over the row). With a cache ``kv`` (``vlm.backbone.cache``),
-        the new keys / values are appended and the queries attend to every cached key (the mask covers them)."""
+        """Causal attention over the rows of ``layout``: plain rows take SDPA's causal fast path, packed / padded rows
+        the layout's document plan (``vlm.backbone.doc_attention``). With a cache ``kv`` (``vlm.backbone.cache``), the
+        new keys / values are appended; a decode step (one query) attends to the cached keys that
+        ``layout.keys_B11N`` marks (all when None)."""
         b, n, _ = x_BND.shape
         q, k, v = self.joint_qkv(x_BND, concept_BND)
         if self.qk_norm == "full":
@@ -184,20 +199,18 @@ class Attention(nn.Module):
         if kv is not None:
             k_BGNK, v_BGNK = kv.update(k_BGNK, v_BGNK)
             if n == 1:  # a decode step
-                out_BH1K = one_query_attention(q_BHNK, k_BGNK, v_BGNK, mask_B1NN)
+                out_BH1K = one_query_attention(q_BHNK, k_BGNK, v_BGNK, layout.keys_B11N)
                 return self.o_proj(out_BH1K.transpose(1, 2).reshape(b, n, -1))
-        gqa = self.n_kv_heads != self.n_heads
-        if gqa and mask_B1NN is not None:  # SDPA's enable_gqa + an explicit mask falls back to the slow math path
-            k_BGNK = k_BGNK.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
-            v_BGNK = v_BGNK.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
-        out_BHNK = F.scaled_dot_product_attention(
-            q_BHNK,
-            k_BGNK,
-            v_BGNK,
-            attn_mask=mask_B1NN,
-            is_causal=mask_B1NN is None and k_BGNK.shape[2] == n,  # a lone query after a cache sees every key
-            enable_gqa=gqa and mask_B1NN is None,
-        )
+        if layout.docs is not None:  # packed documents and / or padding: never an N x N mask
+            out_BHNK = doc_attention(q_BHNK, k_BGNK, v_BGNK, layout.docs)
+        else:
+            out_BHNK = F.scaled_dot_product_attention(
+                q_BHNK,
+                k_BGNK,
+                v_BGNK,
+                is_causal=k_BGNK.shape[2] == n,  # a lone query after a cache sees every key
+                enable_gqa=self.n_kv_heads != self.n_heads,
+            )
         return self.o_proj(out_BHNK.transpose(1, 2).reshape(b, n, -1))
 
 

@@ -26,5 +26,8 @@ def test_layout_marks_padding_starts_and_segments():
     assert layout.pos_BN[0, :6].tolist() == [0, 1, 0, 1, 0, 1]
     real_docs = layout.doc_BN[0, :6].tolist()
     assert len(set(real_docs)) == 3 and (layout.doc_BN[0, 6:] == -1).all()
-    assert not layout.mask_B1NN[0, 0, 4, :4].any(), "the second use of id 7 must not see the first"
-    assert make_layout(None, None, (2, 5), torch.device("cpu")).mask_B1NN is None  # plain causal fast path
+    # the layout keeps no N x N mask (issue #16); its dense reference, from the layout's segment ids:
+    assert not attention_mask(layout.doc_BN)[0, 0, 4, :4].any(), "the second use of id 7 must not see the first"
+    runs = [[(0, 2, True), (2, 4, True), (4, 6, True), (6, 8, False)]]  # (start, end, is_document)
+    assert layout.docs is not None and layout.docs.segments == runs
+    assert make_layout(None, None, (2, 5), torch.device("cpu")).docs is None  # plain causal fast path
