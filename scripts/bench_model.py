@@ -9,7 +9,7 @@ as in training). ConceptMoE is shown with ``fixed`` chunking at exactly R = 2 an
 (``dynamic``) router; the dynamic router starts from random q/k here (p ~ 0.5, so R ~ 2 at init: the
 identity init of H-Net starts far above R = 2 on an untrained ``small`` model) and its measured R is printed.
 
-``--packed-vs-plain`` (issue #16) times instead, interleaved in one process, each model (``<preset>`` dynamic R=2 and
+``--packed-vs-plain`` (issue #16) times instead, interleaved in one process, each model (``<preset>`` fixed R=2 and
 ``<preset>-moe``) on one plain causal row and on a packed row of ``--doc-len``-token documents of the same length
 (document-aware attention, ``vlm.backbone.doc_attention``) and prints packed / plain. Peak memory: bench_train.py.
 """
@@ -64,12 +64,14 @@ def model_step(config: ConceptMoEConfig, seq_len: int, doc_len: int | None, stat
 def packed_vs_plain(preset: str, seq_lens: list[int], doc_len: int, repeats: int):
     """Packed rows against one plain causal row of the same length, same model, timed round-robin."""
     print(f"\npacked rows of {doc_len}-token documents vs one plain causal row (forward + backward):\n")
-    print("| seq len | MoE plain tok/s | MoE packed tok/s | ratio | ConceptMoE plain tok/s | packed tok/s | ratio |")
+    print("| seq len | MoE plain tok/s | MoE packed tok/s | ratio | CMoE R=2 plain tok/s | packed tok/s | ratio |")
     print("|---|---|---|---|---|---|---|")
     for n in seq_lens:
         longest = max(n, 8192)  # plain rows use positions up to n - 1
         base_n = ConceptMoEConfig.from_preset(f"{preset}-moe", max_position_embeddings=longest)
-        cmoe_n = ConceptMoEConfig.from_preset(preset, boundary_router_init="random", max_position_embeddings=longest)
+        # fixed chunking: exactly R = 2 in both layouts, so the ratio measures the attention path alone (a random
+        # dynamic router gives packed and plain rows different R, which changes the concept model's work)
+        cmoe_n = ConceptMoEConfig.from_preset(preset, chunking="fixed", max_position_embeddings=longest)
         steps = {
             "base plain": model_step(base_n, n, None, {}),
             "base packed": model_step(base_n, n, doc_len, {}),
