@@ -15,7 +15,7 @@ from vision_tower import ImageProcessor
 from vlm.backbone.config import rename_legacy_fields
 from vlm.model import ConceptMoEVLM
 from vlm.processor import VLMProcessor
-from vlm.training.config import INIT_OVERRIDABLE, VLM_OVERRIDABLE, ConfigError
+from vlm.training.config import VLM_OVERRIDABLE, ConfigError, first_line
 
 
 def init_from_checkpoint(config: dict, processor: VLMProcessor) -> ConceptMoEVLM:
@@ -40,13 +40,8 @@ def init_from_checkpoint(config: dict, processor: VLMProcessor) -> ConceptMoEVLM
         )
     else:
         raise ConfigError(f"model.init_from={str(path)!r} holds a {model_type!r} model, not a ConceptMoE one")
+    # names checked by load_config (config.check_model: INIT_OVERRIDABLE only); values by set_chunking
     overrides = rename_legacy_fields(config["model"]["overrides"], "model.overrides")
-    for name in overrides:
-        if name not in INIT_OVERRIDABLE:
-            raise ConfigError(
-                f"model.overrides.{name} cannot change a loaded checkpoint (model.init_from); allowed: "
-                + ", ".join(INIT_OVERRIDABLE)
-            )
     vlm_switches = {k: bool(overrides.pop(k)) for k in VLM_OVERRIDABLE if k in overrides}
     try:
         model.set_chunking(**overrides)
@@ -63,7 +58,7 @@ def build_processor(config: dict) -> VLMProcessor:
     try:
         tokenizer = load_tokenizer(config["data"]["tokenizer"])
     except (OSError, ValueError) as err:
-        raise ConfigError(f"data.tokenizer: {str(err).strip().splitlines()[0]}") from None
+        raise ConfigError(f"data.tokenizer: {first_line(err)}") from None
     return VLMProcessor(tokenizer, ImageProcessor(max_patches=config["data"]["max_patches"]))
 
 
@@ -114,6 +109,6 @@ def check_data(config: dict, processor: VLMProcessor | None = None) -> None:
                 shuffle=False, split_documents=data["split_documents"], loss_on=data["loss_on"],
             )  # fmt: skip
         except (OSError, ValueError) as err:
-            raise ConfigError(f"data.{key}: {str(err).strip().splitlines()[0]}") from None
+            raise ConfigError(f"data.{key}: {first_line(err)}") from None
         if next(iter(loader), None) is None:
             raise ConfigError(_no_sample_message(key, loader))

@@ -6,7 +6,8 @@ rank 0 writes ``manifest.json`` (every file with its size and SHA-256, ``vlm.tra
 folder to its final tag, points ``latest_complete`` at it (atomic write) and prunes. An interrupted write is never
 picked up.
 
-Reading: the folder must verify against its manifest for this world size (``verify``); every ``torch.load``, ours
+Reading: the folder must verify against its manifest for this world size (``verify``, checked by
+``vlm.training.resume`` before ``load``); every ``torch.load``, ours
 and DeepSpeed's, goes through the restricted unpickler (``vlm.training.safe_load``). Which checkpoint a run resumes
 from is ``vlm.training.resume``.
 """
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from vlm.training.manifest import file_entries, list_files, verify, write_manifest, write_text_atomic
+from vlm.training.manifest import file_entries, list_files, write_manifest, write_text_atomic
 from vlm.training.safe_load import weights_only_loading
 
 log = logging.getLogger(__name__)
@@ -156,13 +157,12 @@ def prune(root: str, keep_last: int, keep: str) -> None:
 
 
 def load(engine, root: str, tag: str) -> tuple[dict, dict]:
-    """Restore engine (model, optimiser) from ``root/tag`` after verifying it; returns (client_state, this rank's
-    rank_state). Raises ``CheckpointError`` (one line) when the checkpoint does not verify or will not load."""
-    rank, world_size = rank_and_world()
+    """Restore engine (model, optimiser) from ``root/tag``, a checkpoint already verified against its manifest
+    (``vlm.training.resume.find_checkpoint``, once on rank 0: hashing it again on every rank would read every file
+    once per rank); returns (client_state, this rank's rank_state). Raises ``CheckpointError`` (one line) when it
+    will not load."""
+    rank, _ = rank_and_world()
     folder = os.path.join(root, tag)
-    problem = verify(folder, world_size)
-    if problem is not None:
-        raise CheckpointError(f"checkpoint {folder}: {problem}")
     with weights_only_loading():
         path, client_state = engine.load_checkpoint(root, tag=tag, load_optimizer_states=True)
     if path is None:

@@ -101,14 +101,15 @@ class ConfigError(ValueError):
     """A bad config field; the message is one line naming the field."""
 
 
-def _first_line(err: BaseException) -> str:
+def first_line(err: BaseException) -> str:
+    """The first line of an error's message (its type when the message is empty): one-line errors."""
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
 
 
 def _yaml_problem(err: yaml.YAMLError) -> str:
     """``line L, column C: problem`` of a YAML parse error, on one line."""
-    mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None) or _first_line(err)
+    mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None) or first_line(err)
     return problem if mark is None else f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
 
 
@@ -247,7 +248,7 @@ def check_model(model: dict, max_patches: int) -> None:
     try:
         ConceptMoEVLMConfig.from_preset(model["preset"], max_patches=max_patches, **model["overrides"])
     except (ValueError, TypeError) as err:
-        message = _first_line(err)
+        message = first_line(err)
         named = any(str(name) in message for name in model["overrides"])
         raise ConfigError(f"model.overrides{'' if named else '=' + repr(model['overrides'])}: {message}") from None
 
@@ -259,7 +260,7 @@ def _read_yaml(path: str):
         with open(path) as f:
             return yaml.safe_load(f)
     except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"config file {path!r}: {getattr(err, 'strerror', None) or _first_line(err)}") from None
+        raise ConfigError(f"config file {path!r}: {getattr(err, 'strerror', None) or first_line(err)}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: invalid YAML at {_yaml_problem(err)}") from None
 
@@ -289,7 +290,7 @@ def _shards_problem(patterns: list[str]) -> str | None:
     try:
         expand_shards(patterns)
     except (OSError, ValueError) as err:
-        return _first_line(err)
+        return first_line(err)
     return None
 
 

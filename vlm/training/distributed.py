@@ -17,7 +17,7 @@ import os
 import socket
 from datetime import timedelta
 
-from vlm.training.config import ConfigError
+from vlm.training.config import ConfigError, first_line
 
 RENDEZVOUS_TIMEOUT_ENV = "VLM_RENDEZVOUS_TIMEOUT_S"
 DEFAULT_RENDEZVOUS_TIMEOUT_S = 300
@@ -128,7 +128,7 @@ def init_distributed() -> None:
     try:
         deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl", timeout=timeout)
     except RuntimeError as err:  # torch.distributed.DistError (network, store, timeout) and backend errors
-        cause = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+        cause = first_line(err)[:300]
         raise DistributedError(
             f"rank {rank} of {world} could not join the process group at {addr}:{port} within "
             f"{timeout.total_seconds():g} s ({cause}): check that every node was launched with the same "

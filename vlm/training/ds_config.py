@@ -14,13 +14,12 @@ import copy
 import importlib.util
 import json
 import math
-from dataclasses import dataclass
 
 from vlm.training.config import ConfigError
 
 AUTO = "auto"
 DS_CONFIG_FILE = "ds_config.json"
-# Schedulers whose parameters the YAML also describes, and which parameter is which YAML field.
+# Schedulers whose parameters the YAML also describes: scheduler type -> {parameter: YAML field}.
 _SCHEDULER_TIES = {
     "WarmupLR": {"warmup_max_lr": "train.lr", "warmup_num_steps": "train.warmup"},
     "WarmupDecayLR": {
@@ -37,21 +36,14 @@ _SCHEDULER_TIES = {
 MONITOR_PACKAGES = {"wandb": "wandb", "tensorboard": "tensorboard", "comet": "comet_ml"}
 
 
-@dataclass(frozen=True)
-class Tie:
-    """A JSON setting (dotted path) and the YAML field that must agree with it."""
-
-    json_path: str
-    yaml_key: str
-
-
-TIES = (
-    Tie("train_micro_batch_size_per_gpu", "data.batch_size"),
-    Tie("gradient_accumulation_steps", "train.grad_accum"),
-    Tie("gradient_clipping", "train.grad_clip"),
-    Tie("optimizer.params.lr", "train.lr"),
-    Tie("optimizer.params.weight_decay", "train.weight_decay"),
-)
+# JSON setting (dotted path) -> the YAML field that must agree with it.
+TIES = {
+    "train_micro_batch_size_per_gpu": "data.batch_size",
+    "gradient_accumulation_steps": "train.grad_accum",
+    "gradient_clipping": "train.grad_clip",
+    "optimizer.params.lr": "train.lr",
+    "optimizer.params.weight_decay": "train.weight_decay",
+}
 
 
 def _yaml_value(config: dict, key: str):
@@ -116,8 +108,8 @@ def deepspeed_config(config: dict, path: str | dict | None, world_size: int) -> 
     ds = read_json(path) if isinstance(path, str) else copy.deepcopy(path or {"zero_optimization": {"stage": 0}})
     ds.setdefault("optimizer", {"type": "AdamW", "params": {}})
     params = ds["optimizer"].setdefault("params", {})
-    for tie in TIES:
-        reconcile(ds, tie.json_path, config, tie.yaml_key, source)
+    for json_path, yaml_key in TIES.items():
+        reconcile(ds, json_path, config, yaml_key, source)
     params.setdefault("betas", [0.9, 0.95])
     params.setdefault("torch_adam", True)  # the CPU accelerator has no fused Adam; on GPUs set it to false
     micro, accum = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]

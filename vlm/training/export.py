@@ -16,11 +16,10 @@ import logging
 import os
 import sys
 
-import yaml
-
 from vlm.training import checkpoint
 from vlm.training.build import build_model
 from vlm.training.checkpoint import CheckpointError
+from vlm.training.config import ConfigError, load_config
 from vlm.training.manifest import verify
 from vlm.training.resume import newest_verified
 from vlm.training.safe_load import UnsafeCheckpointError, weights_only_loading
@@ -47,16 +46,15 @@ def export_checkpoint(run_dir: str, out_dir: str, tag: str | None = None) -> str
     """Writes the model and processor of ``run_dir``'s checkpoint ``tag`` (default: the newest that verifies) to
     ``out_dir``; raises ``CheckpointError`` (one line) when that checkpoint does not verify."""
     root = checkpoint.checkpoint_dir(run_dir)
-    if tag is None:
+    if tag is None:  # the newest that verifies
         tag, skipped = newest_verified(root, world_size=None)
         if tag is None:
             reasons = "".join(f"; {t}: {p}" for t, p in skipped.items())
             raise CheckpointError(f"{root}: no complete checkpoint to export{reasons}")
-    problem = verify(os.path.join(root, tag))
-    if problem is not None:
+    elif (problem := verify(os.path.join(root, tag))) is not None:
         raise CheckpointError(f"checkpoint {os.path.join(root, tag)}: {problem}")
-    with open(os.path.join(run_dir, "config.yaml")) as f:
-        config = yaml.safe_load(f)
+    # the run's config, checked as training checked it (the same load_config)
+    config = load_config(os.path.join(run_dir, "config.yaml"))
     model, processor = build_model(config)
     state = full_state_dict(root, tag)
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -82,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         print(export_checkpoint(args.run_dir, args.out, args.tag))
-    except (CheckpointError, UnsafeCheckpointError) as err:
+    except (CheckpointError, ConfigError, UnsafeCheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

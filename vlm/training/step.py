@@ -83,14 +83,10 @@ def all_reduce(values: list[float], op=None) -> list[float]:
     return t.tolist()
 
 
-def _module(engine) -> torch.nn.Module:
-    return getattr(engine, "module", engine)
-
-
 def placement(engine) -> tuple[torch.device, torch.dtype]:
     """Where an engine's (or model's) inputs go: its device (``engine.device``: DeepSpeed's, ``LocalEngine``'s;
     else its parameters') and the dtype of its floating-point weights (bf16 / fp16 when the DeepSpeed JSON says)."""
-    module = _module(engine)
+    module = getattr(engine, "module", engine)
     param = next((p for p in module.parameters() if p.is_floating_point()), None)
     device = getattr(engine, "device", None) or (param.device if param is not None else torch.device("cpu"))
     return torch.device(device), (param.dtype if param is not None else torch.float32)
