@@ -9,8 +9,11 @@ Registered through the ``lmms_eval.models`` entry point (``pyproject.toml``: ``c
 
 - ``device`` (default ``cuda`` when available, else ``cpu``), ``dtype`` (``float32`` | ``bfloat16`` | ``float16``);
   the batch size is lmms-eval's own ``--batch_size N`` (lmms-eval passes it to the model itself);
-- ``max_patches``: image patch budget for every image, overriding both the saved processor's and a task's
-  ``image_max_patches`` generation kwarg (long documents need ~1536 to keep pages at native resolution);
+- ``max_patches``: image patch budget for every image. Default: the saved processor's, i.e. the budget the model
+  was trained at. ``task``: a task's ``image_max_patches`` generation kwarg where it gives one (``cmoe_longdoc``
+  asks for 1536, its pages at native resolution), the saved budget elsewhere. A budget the model never saw in
+  training shifts what its router sees: a 64-patch-trained router that merges a page into ~5 concepts at 64
+  patches (image R 15) still makes ~5 of 1536 (image R ~300), docs/study.md "R where it matters";
 - chunking studies: ``chunking`` (``dynamic`` | ``fixed``: a boundary every ``target_r`` tokens, i.e. a forced
   eval-time R | ``none`` on a chunked model is refused), ``target_r``, ``noise_tau`` (boundary noise only ever
   applies in training mode; evaluation runs in eval mode), ``modality_boundaries`` (true / false);
@@ -113,7 +116,8 @@ class ConceptMoELMMs(lmms):
         self.processor = VLMProcessor.from_pretrained(str(pretrained))
         self.model = ConceptMoEVLM.from_pretrained(str(pretrained)).to(self._device, DTYPES[dtype]).eval()
         self.batch_size = max(1, int(batch_size or 1))
-        self.max_patches = None if max_patches in (None, "", "none") else int(max_patches)
+        self.task_budget = str(max_patches) == "task"  # honour a task's image_max_patches hint
+        self.max_patches = None if max_patches in (None, "", "none", "task") else int(max_patches)
         self.default_max_patches = self.processor.image_processor.max_patches
         gen.apply_chunking_overrides(
             self.model,
@@ -220,7 +224,8 @@ class ConceptMoELMMs(lmms):
         for batch in self._batches(items, key):
             stops = gen.chat_stops(self.chat_template)
             kwargs = gen.GenSettings.from_kwargs(batch[0]["req"].args[1], self.processor, extra_stops=stops)
-            budget = self.max_patches or kwargs.image_max_patches or self.default_max_patches
+            hint = kwargs.image_max_patches if self.task_budget else None
+            budget = self.max_patches or hint or self.default_max_patches
             texts, stats = gen.generate_batch(self.model, self.processor, batch, kwargs, budget, self._device)
             for item, text in zip(batch, texts):
                 answers[id(item)] = text

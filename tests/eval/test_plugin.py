@@ -1,5 +1,6 @@
 """The plugin in process: batched log-likelihoods against a direct computation, chunking overrides, bad docs."""
 
+import json
 import math
 import os
 import subprocess
@@ -173,3 +174,20 @@ def test_chat_template_modes_build_the_expected_prompt_ids(tiny_checkpoint, eval
     assert gen.chat_prompt(proc, context, gen.resolve_chat_template(str(template))) == prompts[None]
     with pytest.raises(ValueError, match="chat_template"):
         gen.resolve_chat_template("/nonexistent/template.jinja")
+
+
+def test_task_image_budget_only_on_request(tiny_checkpoint, tmp_path):
+    """By default an image gets the budget the checkpoint was trained at, whatever a task hints (a larger budget
+    shifts the router's image R, docs/study.md); ``max_patches=task`` honours the task's ``image_max_patches``."""
+    page = Image.new("RGB", (512, 512), "white")
+    kwargs = {"max_new_tokens": 1, "until": ["\n"], "image_max_patches": 1024}
+    image_tokens = {}
+    for max_patches in (None, "task"):
+        stats = tmp_path / str(max_patches)
+        p = ConceptMoELMMs(pretrained=str(tiny_checkpoint), stats_dir=str(stats), max_patches=max_patches)
+        p.task_dict = {"t": {"test": [{"group": "g"}]}}
+        p.generate_until([SimpleNamespace(args=("<image>\nRead it.", kwargs, lambda doc: [page], 0, "t", "test"))])
+        record = json.loads((stats / "r_stats_t.jsonl").read_text().splitlines()[-1])
+        image_tokens[max_patches] = record["tokens_by_modality"]["1"]
+    assert p.processor.image_processor.max_patches == 64  # the trained budget, saved with the checkpoint
+    assert image_tokens["task"] == 16 * image_tokens[None]  # 1024 patches against 64, the same 2x2 merge

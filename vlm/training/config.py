@@ -53,6 +53,7 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "weight_decay": (0.01, (float, int)),
         "warmup": (10, (int,)),
         "grad_clip": (1.0, (float, int)),
+        "router_lr_scale": (0.1, (float, int)),  # the boundary router's lr / lr (vlm.training.step.optimizer_groups)
         "keep_last": (2, (int,)),
         "log_every": (1, (int,)),
         "max_nonfinite": (5, (int,)),
@@ -77,6 +78,7 @@ RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
     "train.lr": _ABOVE_0,
     "train.weight_decay": _NOT_NEGATIVE,
     "train.grad_clip": _ABOVE_0,
+    "train.router_lr_scale": _ABOVE_0,
     "train.min_lr_ratio": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
 }
 CHOICES = {"data.loss_on": LOSS_ON}

@@ -30,7 +30,9 @@ from vlm.training.step import (
     evaluate,
     lr_at,
     next_batches,
+    optimizer_groups,
     precision_of,
+    set_lr,
     train_step,
 )
 
@@ -88,7 +90,7 @@ def run(config: dict, run_dir: str, ds_config: dict | str | None = None, resume:
         write_text_atomic(os.path.join(run_dir, DS_CONFIG_FILE), json.dumps(ds, indent=2))
     model, processor = build_model(config)
     engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds
+        model=model, model_parameters=optimizer_groups(model, train["router_lr_scale"]), config=ds
     )
     log.info("learning rate: %s; precision: %s", schedule_owner(ds), precision_of(engine))
     _seed_everything(train["seed"] + rank)
@@ -122,10 +124,8 @@ def run(config: dict, run_dir: str, ds_config: dict | str | None = None, resume:
     engine.train()
     try:
         while step < train["max_steps"]:
-            if own_schedule:
-                for group in engine.optimizer.param_groups:
-                    group["lr"] = lr_at(step, settings)
-            lr = engine.optimizer.param_groups[0]["lr"]  # what this step uses (the JSON's scheduler set it, if any)
+            # the base lr this step uses (ours, or what the JSON's scheduler set), with each group's lr_scale on top
+            lr = set_lr(engine.optimizer, lr_at(step, settings) if own_schedule else None)
             micro = next_batches(batches, train["grad_accum"])
             start = time.perf_counter()
             stats = train_step(engine, micro, guard, step + 1)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from vlm.training.metrics import step_record
-from vlm.training.step import NonFiniteGuard, TrainSettings, evaluate, lr_at, train_step
+from vlm.training.step import NonFiniteGuard, TrainSettings, evaluate, lr_at, optimizer_groups, set_lr, train_step
 
 __all__ = ["LocalEngine", "TrainSettings", "evaluate", "train"]
 
@@ -34,11 +34,12 @@ class LocalEngine:
         grad_clip: float = 1.0,
         grad_accum: int = 1,
         betas: tuple[float, float] = (0.9, 0.95),
+        router_lr_scale: float = 1.0,
     ):
         self.module, self.grad_clip, self.grad_accum = model, grad_clip, grad_accum
-        self.optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay, betas=betas
-        )
+        groups = optimizer_groups(model, router_lr_scale)
+        self.optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay, betas=betas)
+        set_lr(self.optimizer, lr)
         self.micro_steps = self.global_steps = 0
         self.grad_norm: float | None = None  # before clipping, at the last optimiser step
 
@@ -75,15 +76,15 @@ def train(
     """Train ``model`` on ``batches`` (dicts of model inputs incl. labels), one batch per optimiser step; returns
     one record per step (see the module docstring). Raises ``NonFiniteLossError`` after
     ``settings.max_nonfinite`` non-finite steps in a row."""
-    engine = LocalEngine(model, settings.lr, settings.weight_decay, settings.grad_clip)
+    engine = LocalEngine(
+        model, settings.lr, settings.weight_decay, settings.grad_clip, router_lr_scale=settings.router_lr_scale
+    )
     guard = NonFiniteGuard(settings.max_nonfinite)
     target_r = getattr(model.config, "text_config", model.config).effective_r
     engine.train()
     history = []
     for step in range(settings.steps):
-        lr = lr_at(step, settings)
-        for group in engine.optimizer.param_groups:
-            group["lr"] = lr
+        lr = set_lr(engine.optimizer, lr_at(step, settings))
         batch = next(batches)
         start = time.perf_counter()
         stats = train_step(engine, [batch], guard, step + 1)

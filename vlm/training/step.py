@@ -32,6 +32,7 @@ class TrainSettings:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     max_nonfinite: int = 5  # optimiser steps in a row with a non-finite loss before training stops
+    router_lr_scale: float = 0.1  # the boundary router's lr relative to ``lr`` (``optimizer_groups``)
 
 
 def lr_at(step: int, s: TrainSettings) -> float:
@@ -40,6 +41,41 @@ def lr_at(step: int, s: TrainSettings) -> float:
         return s.lr * (step + 1) / s.warmup
     progress = (step - s.warmup) / max(1, s.steps - s.warmup)
     return s.lr * (s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+# The boundary router's parameters (``ChunkModule``'s W_q / W_k, or the linear router's scorer).
+ROUTER_PARAM_MARK = ".chunker."
+
+
+def optimizer_groups(model: torch.nn.Module, router_lr_scale: float) -> list[dict]:
+    """The trainable parameters as optimiser groups: everything (group 0, the schedule's lr), then the boundary
+    router with ``lr_scale = router_lr_scale`` (``set_lr`` applies it). No router group without chunking.
+
+    Why the router gets its own, lower lr: the ratio loss (Eq. 3-4) reaches the router only through G = mean p, so
+    every p of a step gets the same push; identical neighbours (flat image background, most patches of a synthetic
+    scene) share one p, and at the full lr Adam's normalised steps carried that shared p across 0.5 and back in
+    blocks of steps: all of them boundaries (image R ~1), then none (R ~10+). At 0.1x the per-step R of the tiny
+    recipe stays within +-15% of the target over the second half of training (docs/study.md, "R under control").
+    H-Net likewise trains its routing modules at a scaled learning rate.
+    """
+    router, rest = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            (router if ROUTER_PARAM_MARK in f".{name}" else rest).append(param)
+    groups = [{"params": rest, "lr_scale": 1.0}]
+    if router:
+        groups.append({"params": router, "lr_scale": float(router_lr_scale)})
+    return groups
+
+
+def set_lr(optimizer, lr: float | None = None) -> float:
+    """Give every group ``lr`` times its ``lr_scale`` and return the base lr. With ``lr=None`` the base is group 0's
+    current lr (a DeepSpeed JSON scheduler set it for every group alike; the scales are applied on top)."""
+    groups = optimizer.param_groups
+    base = groups[0]["lr"] if lr is None else lr
+    for group in groups:
+        group["lr"] = base * group.get("lr_scale", 1.0)
+    return base
 
 
 class NonFiniteLossError(RuntimeError):

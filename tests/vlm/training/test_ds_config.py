@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 from deepspeed.runtime.lr_schedules import WarmupLR
+from safetensors.torch import load_file
 from train_kit import ROOT, TINY, run_train, step_records
 
 from vlm.training.build import build_model
@@ -100,7 +101,7 @@ def test_the_json_scheduler_and_monitor_are_honoured_and_the_effective_config_sa
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     run = tmp_path / "run"
     run_train(run, shards, flags=["--deepspeed", str(tmp_path / "ds.json")], max_steps=4, save_every=4, warmup=3,
-              lr=0.004, export="false")  # fmt: skip
+              lr=0.004, router_lr_scale=1e-9)  # fmt: skip
     saved = json.loads((run / "ds_config.json").read_text())
     assert saved["scheduler"]["params"] == {"warmup_type": "linear", "warmup_min_lr": 0.0, "warmup_max_lr": 0.004,
                                             "warmup_num_steps": 3}  # fmt: skip
@@ -116,6 +117,12 @@ def test_the_json_scheduler_and_monitor_are_honoured_and_the_effective_config_sa
     assert got == pytest.approx(want) and got[-1] > 0
     loss_csv = [p for p in glob.glob(str(csv_dir / "**" / "*.csv"), recursive=True) if p.endswith("train_loss.csv")]
     assert loss_csv and len(open(loss_csv[0]).read().splitlines()) >= 4
+    # the router's own lr scale holds under the JSON scheduler too: W_q, W_k barely leave their identity init
+    weights = load_file(run / "hf" / "model.safetensors")
+    router = {k: v for k, v in weights.items() if ".chunker." in k}
+    assert router and all(torch.allclose(v, torch.eye(v.shape[0]), atol=1e-6) for v in router.values())
+    assert any(not torch.allclose(v, torch.eye(v.shape[0]), atol=1e-3) for k, v in weights.items()
+               if v.ndim == 2 and v.shape[0] == v.shape[1] and ".chunker." not in k)  # fmt: skip
 
 
 # -- device and precision -----------------------------------------------------------------------------------------
