@@ -14,7 +14,7 @@ export HF_DATASETS_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv test demo instruct-long demo-backbone bench lint format clean
+.PHONY: venv test demo instruct-long demo-backbone bench lint format clean study
 
 venv: $(STAMP)
 
@@ -79,6 +79,13 @@ instruct-long: venv
 	test -f $(DEMO_DATA)/scenes_chat/train/manifest.json || $(BIN)/python scripts/make_shards.py \
 		--synthetic scenes_chat --out $(DEMO_DATA)/scenes_chat --num-samples 8000 --eval-samples 200 --seed 1
 	$(MAKE) demo DEMO_RUN=runs/instruct-long STAGE2=scripts/configs/stage2_long.yaml EVAL_LIMIT=100
+
+# The compute-matched study (scripts/configs/study.yaml): every arm trained and evaluated as above, one table, plots
+# and a verdict per claim in docs/study.md (~75 min on 2 CPU cores: the YAML's budget_minutes; resumes;
+# e.g. `make study STUDY_ARGS="--budget-minutes 30"`).
+STUDY_ARGS ?=
+study: venv
+	$(BIN)/python scripts/study.py --config scripts/configs/study.yaml $(STUDY_ARGS)
 
 # The backbone alone: ConceptMoE vs its matched MoE on local text (~2 min).
 demo-backbone: venv

@@ -1,0 +1,205 @@
+"""The study configuration (``scripts/configs/study.yaml``): reading, ``--set`` overrides, ``--quick`` and checks.
+
+The YAML has the sections described in ``scripts/configs/study.yaml`` itself: ``baseline``, ``chunked_defaults``,
+``seeds``, ``jobs``, ``eval_limit``, ``data`` / ``eval`` (where the shards and the task data live, and the
+arguments that build them when missing), ``train_base`` (the training YAML every run starts from, passed through
+verbatim: a field the trainer learns later just works), ``arms``, ``claims`` and ``quick`` (a block deep-merged over
+the rest by ``--quick``; a list replaces a list). ``{out}`` in a path is the study's output folder.
+
+Every fault is a one-line ``StudyConfigError`` naming the field, raised before anything runs: an arm name used
+twice, a claim that compares an arm the study does not have, an arm that does not list a claim it serves (or the
+reverse), a metric a task's YAML does not define.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+
+import yaml
+
+REQUIRED = ("baseline", "seeds", "eval_limit", "data", "eval", "train_base", "arms", "claims")
+# Per-run numbers a claim may compare (eval.study.collect builds them); ``score:TASK:METRIC`` for task scores.
+RUN_METRICS = (
+    "train_loss", "train_lm_loss", "bits_per_token", "mean_score", "eval_r", "eval_r_text", "eval_r_image",
+    "eval_r_err", "train_r", "train_r_text", "train_r_image", "r_in_band", "lmms_r", "lmms_r_text", "lmms_r_image",
+    "train_step_s", "train_wall_s",
+)  # fmt: skip
+EXPECT = ("higher", "lower")
+NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+class StudyConfigError(ValueError):
+    """A bad study config field; the message is one line naming it."""
+
+
+def deep_merge(base: dict, over: dict) -> dict:
+    """``base`` with ``over`` merged in: mappings merge key by key, anything else (lists too) is replaced."""
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def apply_set(raw: dict, text: str) -> None:
+    """``--set a.b.c=VALUE`` (VALUE read as YAML) into ``raw``, creating sections on the way."""
+    key, sep, value = text.partition("=")
+    path = key.strip().split(".")
+    if not sep or not all(path):
+        raise StudyConfigError(f"--set {text!r}: expected key.sub=value")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError:
+        raise StudyConfigError(f"--set {key}: value {value!r} is not valid YAML") from None
+    node = raw
+    for part in path[:-1]:
+        if not isinstance(node.setdefault(part, {}), dict):
+            raise StudyConfigError(f"--set {key}: {part!r} is not a section")
+        node = node[part]
+    node[path[-1]] = parsed
+
+
+def _task_metrics(tasks_dir: Path, task: str) -> list[str] | None:
+    """The metric names of ``TASKS_DIR/TASK/TASK.yaml``'s ``metric_list`` (None when the YAML is not there)."""
+    path = tasks_dir / task / f"{task}.yaml"
+    if not path.is_file():
+        return None
+
+    class _Loader(yaml.SafeLoader):
+        pass
+
+    _Loader.add_multi_constructor("!", lambda loader, suffix, node: None)  # lmms-eval's !function tags
+    spec = yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader) or {}
+    return [str(m.get("metric")) for m in spec.get("metric_list") or [] if isinstance(m, dict)]
+
+
+def _check_metric(where: str, metric: str, tasks: dict) -> None:
+    if metric in RUN_METRICS:
+        return
+    parts = metric.split(":")
+    if len(parts) == 3 and parts[0] == "score" and parts[2] in tasks.get(parts[1], ()):
+        return
+    raise StudyConfigError(
+        f"{where}: unknown metric {metric!r}; allowed: {', '.join(RUN_METRICS)}, or score:TASK:METRIC with TASK and "
+        "METRIC among eval.main_metrics"
+    )
+
+
+def _check_arms(cfg: dict) -> None:
+    names = set()
+    for i, arm in enumerate(cfg["arms"]):
+        if not isinstance(arm, dict) or not isinstance(arm.get("name"), str) or not NAME.match(arm["name"]):
+            raise StudyConfigError(f"arms[{i}]: needs a name of letters, digits, '.', '_' or '-'")
+        if arm["name"] in names:
+            raise StudyConfigError(f"arms[{i}]: name {arm['name']!r} is used twice")
+        names.add(arm["name"])
+        unknown = set(arm) - {"name", "chunking", "target_r", "strategy", "match", "after_match", "vlm", "train",
+                              "serves", "note"}  # fmt: skip
+        if unknown:
+            raise StudyConfigError(f"arms[{i}] ({arm['name']}): unknown field {sorted(unknown)[0]!r}")
+    if cfg["arms"][0].get("chunking") != "none":
+        raise StudyConfigError("arms[0] must be the baseline (chunking: none): every ratio is taken against it")
+
+
+def _check_claims(cfg: dict) -> None:
+    arms = {a["name"]: set(a.get("serves") or ()) for a in cfg["arms"]}
+    tasks = cfg["eval"]["main_metrics"]
+    ids = set()
+    for i, claim in enumerate(cfg["claims"]):
+        cid = claim.get("id")
+        if not isinstance(cid, str) or cid in ids:
+            raise StudyConfigError(f"claims[{i}]: needs an id of its own")
+        ids.add(cid)
+        if not claim.get("compare"):
+            raise StudyConfigError(f"claims[{i}] ({cid}): needs a compare list")
+        for j, comp in enumerate(claim["compare"]):
+            where = f"claims[{i}] ({cid}).compare[{j}]"
+            if comp.get("expect") not in EXPECT:
+                raise StudyConfigError(f"{where}.expect must be one of {', '.join(EXPECT)}")
+            for side in ("a", "b"):
+                if comp.get(side) not in arms:
+                    raise StudyConfigError(f"{where}.{side}: {comp.get(side)!r} is not an arm of the study")
+                if cid not in arms[comp[side]]:
+                    raise StudyConfigError(f"arm {comp[side]!r} serves claim {cid!r} ({where}): list it in its serves")
+            _check_metric(where, comp.get("metric", ""), tasks)
+            _check_metric(where, comp.get("b_metric", comp.get("metric", "")), tasks)
+    for name, served in arms.items():
+        if served - ids:
+            raise StudyConfigError(f"arm {name!r} serves unknown claim {sorted(served - ids)[0]!r}")
+
+
+def _check_eval(cfg: dict) -> None:
+    ev = cfg["eval"]
+    for key in ("tasks", "main_metrics", "tasks_dir"):
+        if key not in ev:
+            raise StudyConfigError(f"missing config field 'eval.{key}'")
+    for task in ev["tasks"]:
+        names = ev["main_metrics"].get(task)
+        if not names:
+            raise StudyConfigError(f"eval.main_metrics: no main metric for task {task!r}")
+        shipped = _task_metrics(Path(__file__).resolve().parents[1] / "tasks", task)
+        if shipped is None:
+            raise StudyConfigError(f"eval.tasks: {task!r} is not a task of eval/tasks")
+        for metric in names:
+            if metric not in shipped:
+                raise StudyConfigError(f"eval.main_metrics.{task}: {metric!r} is not in the task's metric_list")
+
+
+def _fill_out(node, out: str):
+    """``{out}`` in every string of ``node`` replaced by the output folder."""
+    if isinstance(node, dict):
+        return {k: _fill_out(v, out) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_fill_out(v, out) for v in node]
+    return node.replace("{out}", out) if isinstance(node, str) else node
+
+
+def load_study_config(path: str, sets: list[str] = (), quick: bool = False, out: str | None = None) -> dict:
+    """The study config: ``path`` read, ``--set`` applied, ``quick`` merged (with ``--quick``), checked; ``out``
+    (default: the config's ``out``) fills ``{out}``. The result also holds ``out`` and ``quick``."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as err:
+        raise StudyConfigError(f"study config {path!r}: {str(err).splitlines()[0]}") from None
+    if not isinstance(raw, dict):
+        raise StudyConfigError(f"{path}: must be a mapping")
+    for text in sets:
+        apply_set(raw, text)
+    quick_block = raw.pop("quick", None) or {}
+    cfg = deep_merge(raw, quick_block) if quick else raw
+    for key in REQUIRED:
+        if key not in cfg:
+            raise StudyConfigError(f"missing config field {key!r}")
+    cfg["out"] = out or cfg.get("out") or ("runs/study-quick" if quick else "runs/study")
+    cfg["quick"] = quick
+    cfg = _fill_out(cfg, cfg["out"])
+    cfg.setdefault("jobs", 2)
+    cfg.setdefault("r_band", 0.15)
+    cfg.setdefault("prefill", {"tokens": 4096, "repeats": 3})
+    if not isinstance(cfg["seeds"], int) or cfg["seeds"] < 1:
+        raise StudyConfigError(f"seeds must be an int >= 1, got {cfg['seeds']!r}")
+    _check_eval(cfg)
+    if not isinstance(cfg["arms"], list) or not cfg["arms"]:
+        raise StudyConfigError("arms must be a non-empty list")
+    _check_arms(cfg)
+    _check_claims(cfg)
+    if quick and "arms_run" in quick_block:
+        cfg["arms_run"] = list(quick_block["arms_run"])
+    return cfg
+
+
+def select_arms(cfg: dict, names: list[str] | None) -> list[dict]:
+    """The arms to run, in config order: ``names`` (``--arms``), else ``arms_run`` (``--quick``), else all. The
+    baseline always runs: every prefill ratio is taken against it."""
+    wanted = names or cfg.get("arms_run")
+    known = [a["name"] for a in cfg["arms"]]
+    if wanted:
+        unknown = [n for n in wanted if n not in known]
+        if unknown:
+            raise StudyConfigError(f"--arms: unknown arm {unknown[0]!r}; the study has {', '.join(known)}")
+        wanted = {known[0], *wanted}
+    return [a for a in cfg["arms"] if not wanted or a["name"] in wanted]

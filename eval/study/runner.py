@@ -1,0 +1,295 @@
+"""Running the study: data, then every (arm, seed) through the real training and evaluation entry points, then the
+prefill phase and the report. ``scripts/study.py`` is its command line.
+
+Per run, in ``OUT/runs/<arm>/seed<k>/``, each step a subprocess with ``OMP_NUM_THREADS=1`` (``jobs`` runs at once
+share the cores) and its output appended to a log beside it:
+
+1. ``train.yaml`` (``eval.study.arms.train_yaml``), then ``python scripts/train_vlm.py --config train.yaml --out
+   train --deepspeed <json> --resume auto`` (one process, a free ``MASTER_PORT`` of its own; ``--overwrite``
+   instead when an interrupted attempt left metrics but no checkpoint, which ``--resume auto`` refuses) ->
+   ``train.log``, ``train_done.json``;
+2. ``python -m lmms_eval --model conceptmoe --model_args pretrained=train/hf ... --output_path eval`` (the
+   Makefile's ``demo`` form) -> ``eval.log``; then ``eval.r_report.write_report`` and ``eval.score_table.write_table``
+   on ``eval/`` (``r_report.json``, ``score_table.json``); an evaluation without its score table is redone whole;
+3. ``result.json``: the run is finished and is never redone (delete the folder to redo it).
+
+Order: seed 0 of every arm (config order), then seed 1, ...; with a budget no run starts once it is spent (a started
+run finishes). Then ``python -m eval.study.prefill`` on the seed-0 export of every arm (redone only when an export
+changed), and ``eval.study.report.write`` builds ``study.json``, the doc and the plots from the files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import yaml
+
+from eval.study.arms import Arm
+from eval.study.collect import read_json, run_dir
+
+REPO = Path(__file__).resolve().parents[2]
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # fmt: skip
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+_REPORT_LOCK = threading.Lock()  # the R report draws with matplotlib: one at a time
+_PORT_LOCK = threading.Lock()
+_PORTS_IN_USE: set[int] = set()
+
+
+class Log:
+    """Timestamped lines to stdout and ``OUT/study.log``."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path, self.lock = path, threading.Lock()
+
+    def __call__(self, line: str) -> None:
+        text = f"{time.strftime('%H:%M:%S')} {line}"
+        with self.lock:
+            print(text, flush=True)
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(text + "\n")
+
+
+def python() -> str:
+    """This interpreter, relative to the current directory when it is inside it (e.g. ``.venv/bin/python``)."""
+    try:
+        return str(Path(sys.executable).relative_to(Path.cwd()))
+    except ValueError:
+        return sys.executable
+
+
+def script(name: str) -> str:
+    """A script of the repository, relative to the current directory when it is inside it."""
+    path = REPO / "scripts" / name
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def env(port: int | None = None) -> dict:
+    out = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV} | OFFLINE_ENV
+    if port is not None:
+        out["MASTER_PORT"] = str(port)
+    return out
+
+
+def run_logged(cmd: list[str], log_path: Path, port: int | None = None) -> tuple[int, float]:
+    """Run ``cmd``, its output appended to ``log_path``; (return code, wall seconds)."""
+    start = time.perf_counter()
+    with open(log_path, "a", encoding="utf-8") as log:
+        log.write(f"\n$ {shlex.join(cmd)}\n")
+        log.flush()
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env(port)).returncode
+    return rc, time.perf_counter() - start
+
+
+def last_line(path: Path) -> str:
+    try:
+        lines = [ln for ln in path.read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    errors = [ln for ln in lines if ln.startswith("error:") or "Error" in ln]
+    return (errors or lines or [""])[-1][:300]
+
+
+def take_port() -> int:
+    """A TCP port nobody listens on now and no other run of this study holds."""
+    with _PORT_LOCK:
+        while True:
+            with socket.socket() as s:
+                s.bind(("", 0))
+                port = s.getsockname()[1]
+            if port not in _PORTS_IN_USE:
+                _PORTS_IN_USE.add(port)
+                return port
+
+
+def release_port(port: int) -> None:
+    with _PORT_LOCK:
+        _PORTS_IN_USE.discard(port)
+
+
+# ----------------------------------------------------------------------------- data
+def ensure_data(study: dict, log: Log) -> None:
+    """Build the training shards and the eval task data with the config's arguments when they are missing."""
+    shards = Path(study["data"]["dir"])
+    if not all((shards / split / "manifest.json").is_file() for split in ("train", "eval")):
+        cmd = [python(), script("make_shards.py"), *map(str, study["data"]["build"]), "--out", str(shards)]
+        log(f"building shards: {shlex.join(cmd)}")
+        if subprocess.run(cmd, env=env()).returncode != 0:
+            raise SystemExit(f"study: error: building the shards into {shards} failed")
+    tasks_dir = Path(study["eval"]["tasks_dir"])
+    if not all((tasks_dir / t / "data" / "test.jsonl").is_file() for t in study["eval"]["tasks"]):
+        cmd = [python(), script("make_eval_data.py"), "--out", str(tasks_dir), *map(str, study["eval"]["build"])]
+        log(f"building eval data: {shlex.join(cmd)}")
+        if subprocess.run(cmd, env=env()).returncode != 0:
+            raise SystemExit(f"study: error: building the eval data into {tasks_dir} failed")
+
+
+# ----------------------------------------------------------------------------- one run
+def train_command(study: dict, path: Path) -> list[str]:
+    """The training command of a run folder: ``--resume auto``, or ``--overwrite`` after an attempt that left
+    metrics but no checkpoint folder (``--resume auto`` refuses such a folder; ``vlm/training/resume.py``)."""
+    train = path / "train"
+    has_ckpt = any((train / "checkpoints").glob("step_*")) if (train / "checkpoints").is_dir() else False
+    metrics = train / "metrics.jsonl"
+    started = metrics.is_file() and metrics.stat().st_size > 0
+    mode = ["--overwrite"] if started and not has_ckpt else ["--resume", "auto"]
+    cmd = [python(), script("train_vlm.py"), "--config", str(path / "train.yaml"), "--out", str(train)]
+    if study.get("deepspeed"):
+        cmd += ["--deepspeed", str(study["deepspeed"])]
+    return cmd + mode
+
+
+def eval_command(study: dict, path: Path) -> list[str]:
+    ev = study["eval"]
+    return [
+        python(), "-m", "lmms_eval", "--model", "conceptmoe", "--model_args", f"pretrained={path / 'train' / 'hf'}",
+        "--tasks", ",".join(ev["tasks"]), "--include_path", str(ev["tasks_dir"]), "--batch_size",
+        str(ev.get("batch_size", 8)), "--limit", str(study["eval_limit"]), "--output_path", str(path / "eval"),
+        "--log_samples", "--verbosity", "DEBUG",
+    ]  # fmt: skip
+
+
+def _train(study: dict, arm: Arm, seed: int, path: Path, log: Log) -> dict | None:
+    from eval.study.arms import train_yaml
+
+    done = read_json(path / "train_done.json")
+    if done and (path / "train" / "hf" / "config.json").is_file():
+        return done
+    text = yaml.safe_dump(train_yaml(study, arm, seed), sort_keys=False)
+    config = path / "train.yaml"
+    if config.is_file() and config.read_text(encoding="utf-8") != text and (path / "train").exists():
+        log(f"{arm.name}/seed{seed}: error: {config} differs from the study config now; delete {path} to redo it")
+        return None
+    path.mkdir(parents=True, exist_ok=True)
+    config.write_text(text, encoding="utf-8")
+    cmd, port = train_command(study, path), take_port()
+    log(f"{arm.name}/seed{seed}: training ({shlex.join(cmd)})")
+    try:
+        rc, wall = run_logged(cmd, path / "train.log", port)
+    finally:
+        release_port(port)
+    if rc != 0:
+        log(f"{arm.name}/seed{seed}: training failed (exit {rc}): {last_line(path / 'train.log')}")
+        return None
+    done = {"wall_s": wall, "command": cmd, "port": port}
+    (path / "train_done.json").write_text(json.dumps(done, indent=1) + "\n", encoding="utf-8")
+    log(f"{arm.name}/seed{seed}: trained in {wall:.0f} s")
+    return done
+
+
+def _evaluate(study: dict, arm: Arm, seed: int, path: Path, log: Log) -> dict | None:
+    from eval.r_report import write_report
+    from eval.r_report_io import ReportInputError
+    from eval.score_table import write_table
+
+    out = path / "eval"
+    done = read_json(path / "eval_done.json")
+    if done and (out / "score_table.json").is_file():
+        return done
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = eval_command(study, path)
+    log(f"{arm.name}/seed{seed}: evaluating ({shlex.join(cmd)})")
+    rc, wall = run_logged(cmd, path / "eval.log")
+    if rc != 0:
+        log(f"{arm.name}/seed{seed}: evaluation failed (exit {rc}): {last_line(path / 'eval.log')}")
+        return None
+    try:
+        with _REPORT_LOCK:
+            write_report(out)
+            write_table(out, study["eval"]["tasks_dir"])
+    except (ReportInputError, OSError) as err:
+        log(f"{arm.name}/seed{seed}: R report / score table failed: {str(err).splitlines()[0]}")
+        return None
+    done = {"wall_s": wall, "command": cmd}
+    (path / "eval_done.json").write_text(json.dumps(done, indent=1) + "\n", encoding="utf-8")
+    return done
+
+
+def run_one(study: dict, arm: Arm, seed: int, deadline: float | None, stop: threading.Event, log: Log) -> str:
+    """One (arm, seed) to its ``result.json``: "done" (already), "finished", "failed", "budget" or "stopped"."""
+    path = run_dir(study["out"], arm.name, seed)
+    if (path / "result.json").is_file():
+        return "done"
+    if stop.is_set():
+        return "stopped"
+    if deadline is not None and time.monotonic() > deadline:
+        log(f"{arm.name}/seed{seed}: not started, the budget is spent")
+        return "budget"
+    train = _train(study, arm, seed, path, log)
+    evaluation = _evaluate(study, arm, seed, path, log) if train and not stop.is_set() else None
+    if not evaluation:
+        return "stopped" if stop.is_set() else "failed"
+    result = {"arm": arm.name, "seed": seed, "train": train, "eval": evaluation,
+              "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}  # fmt: skip
+    (path / "result.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    log(f"{arm.name}/seed{seed}: finished")
+    return "finished"
+
+
+def run_all(study: dict, arms: list[Arm], seeds: int, jobs: int, budget_min: float | None, log: Log) -> dict:
+    """Every (arm, seed), seed-major, ``jobs`` at a time; returns "arm/seedK" -> outcome."""
+    deadline = None if budget_min is None else time.monotonic() + 60.0 * budget_min
+    order = [(arm, seed) for seed in range(seeds) for arm in arms]
+    for arm, seed in order:
+        if (run_dir(study["out"], arm.name, seed) / "result.json").is_file():
+            log(f"{arm.name}/seed{seed}: finished before (result.json): skipped")
+    stop = threading.Event()  # set on Ctrl-C: queued runs never start (the running ones got the signal too)
+    pool = ThreadPoolExecutor(max_workers=max(1, jobs))
+    try:
+        futures = {f"{a.name}/seed{s}": pool.submit(run_one, study, a, s, deadline, stop, log) for a, s in order}
+        return {key: future.result() for key, future in futures.items()}
+    except KeyboardInterrupt:
+        stop.set()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+# ----------------------------------------------------------------------------- prefill
+def run_prefill(study: dict, arms: list[Arm], log: Log) -> None:
+    """The prefill phase on the seed-0 exports (lowest finished seed), redone only when an export changed."""
+    exports = {}
+    for arm in arms:
+        for seed in range(study["seeds"]):
+            path = run_dir(study["out"], arm.name, seed)
+            if (path / "result.json").is_file():
+                exports[arm.name] = str(path / "train" / "hf")
+                break
+    base = arms[0].name
+    if base not in exports:
+        log("prefill: skipped (no finished baseline run)")
+        return
+    out = Path(study["out"]) / "prefill.json"
+    stamp = {n: os.path.getmtime(Path(p) / "model.safetensors") for n, p in exports.items()}
+    old = read_json(out) or {}
+    if old.get("exports") == exports and old.get("mtimes") == stamp:
+        log("prefill: up to date")
+        return
+    pf = study["prefill"]
+    cmd = [python(), "-m", "eval.study.prefill", "--out", str(out), "--baseline", f"{base}={exports[base]}",
+           "--tokens", str(pf.get("tokens", 4096)), "--repeats", str(pf.get("repeats", 3))]  # fmt: skip
+    for name, path in exports.items():
+        if name != base:
+            cmd += ["--arm", f"{name}={path}"]
+    log(f"prefill: {shlex.join(cmd)}")
+    rc, _ = run_logged(cmd, Path(study["out"]) / "prefill.log")
+    if rc != 0:
+        log(f"prefill: failed (exit {rc}): {last_line(Path(study['out']) / 'prefill.log')}")
+        return
+    result = read_json(out)
+    result.update(mtimes=stamp, command=cmd)
+    out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
