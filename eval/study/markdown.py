@@ -234,6 +234,7 @@ def render(data: dict, study: dict, links: dict, notes: str | None, notes_path: 
         "",
     ]
     titles = {"loss": "Training loss per arm", "r_modality": f"R per modality over training ({data['plots_r_arm']})",
+              "r_control": "R under control (per-step R of the default recipe and the settings that made it swing)",
               "score_vs_r": "Score against R"}  # fmt: skip
     for key, title in titles.items():
         if key in links:

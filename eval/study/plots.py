@@ -3,6 +3,8 @@
 - ``loss_curves.png``: training LM loss per step (moving average) of seed 0 of every arm;
 - ``r_modality.png``: total / text / image R per training step of one arm's seed 0 against its target — the
   paper's Fig. 2c (ConceptMoE, arXiv 2601.21420): under one global R, how much each modality is compressed;
+- ``r_control.png``: per-step total and image R of a few arms' seed 0 (the default recipe against the settings that
+  made R swing), on one log axis with the ±15% band;
 - ``score_vs_r.png``: mean task score and held-out bits per token (mean ± std over seeds) against the target R of
   the R-sweep arms (R = 1 for the MoE baseline; the paper's Fig. 11 direction).
 """
@@ -86,6 +88,37 @@ def r_by_modality(out: str, arm: str, seeds: int, png: Path) -> Path | None:
     ax.set(xlabel="step", ylabel="R = tokens / concepts (train mode)", title=f"R per modality over training: {arm}")
     ax.set_yscale("log")
     ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
+
+
+def r_control(out: str, arms: list[str], seeds: int, png: Path) -> Path | None:
+    """Total (solid) and image (dotted) R per training step of each of ``arms`` (its lowest finished seed)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    target, drawn = None, 0
+    for i, arm in enumerate(arms):
+        path = _first_seed(out, arm, seeds)
+        steps = read_metrics(path / "train" / "metrics.jsonl")[0] if path else []
+        color = f"C{i}"
+        for key, style, label in (("r", "-", f"{arm}: total R"), ("r_image", ":", f"{arm}: image R")):
+            points = [(s["step"], s[key]) for s in steps if s.get(key) is not None]
+            if points:
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, style, color=color, lw=1.0, label=label)
+                drawn += 1
+        target = target or (steps[-1].get("target_r") if steps else None)
+    if not drawn:
+        plt.close(fig)
+        return None
+    if target:
+        ax.axhspan(0.85 * target, 1.15 * target, color="grey", alpha=0.15, label=f"target R = {target:g} ±15%")
+    ax.set(xlabel="step", ylabel="R = tokens / concepts (train mode)", title="R under control: per-step R, seed 0")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7, ncol=2)
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
     fig.savefig(png, dpi=110)

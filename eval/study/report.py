@@ -110,6 +110,9 @@ def write(study: dict, arms: list[Arm], doc: Path, plots_dir: Path, context: dic
     r_arm = cfg_plots.get("r_arm") if cfg_plots.get("r_arm") in names else next((a.name for a in arms[1:]), None)
     if r_arm:
         figures["r_modality"] = plots.r_by_modality(study["out"], r_arm, study["seeds"], plots_dir / "r_modality.png")
+    control = [n for n in cfg_plots.get("r_control") or () if n in names]
+    if control:
+        figures["r_control"] = plots.r_control(study["out"], control, study["seeds"], plots_dir / "r_control.png")
     sweep = [a for a in arms if a.name in (cfg_plots.get("score_vs_r") or names)]
     points = [(a.name, a.config.effective_r, data["aggregate"][a.name].get("mean_score"),
                data["aggregate"][a.name].get("bits_per_token")) for a in sweep]  # fmt: skip
