@@ -10,8 +10,10 @@ mean ± std over seeds of ``eval.study.collect.aggregate``:
   either side: ``inconclusive (at or below chance)``; else ``reproduced`` when ``gap > spread``, ``not reproduced``
   when ``-gap > spread``, and ``inconclusive at this scale`` otherwise. A side without numbers: ``not run``.
 
-The claim's verdict: ``reproduced`` when every counted comparison is; ``not reproduced`` when any is; ``not run``
-when none ran; else ``inconclusive`` with the comparisons' reasons. ``informational`` comparisons are shown only.
+The claim's verdict: ``reproduced`` / ``not reproduced`` when every counted comparison says so; ``not reproduced
+(k of n ...)`` or ``reproduced on k of n comparisons`` when the others are inconclusive; ``mixed`` when some are
+reproduced and some not; ``not run`` when none ran; else ``inconclusive`` with the comparisons' reasons.
+``informational`` comparisons are shown only.
 """
 
 from __future__ import annotations
@@ -53,18 +55,24 @@ def compare(comp: dict, arms: dict, chance: dict) -> dict:
 
 
 def claim_verdict(rows: list[dict]) -> str:
-    """The claim's verdict from its counted comparisons (see the module docstring)."""
+    """The claim's verdict from its counted comparisons (see the module docstring): reproduced / not reproduced when
+    all of them agree; a partial or mixed verdict names how many of each; else inconclusive, with the reasons."""
     counted = [r["verdict"] for r in rows if not r["informational"]]
-    if counted and all(v == REPRODUCED for v in counted):
+    n, yes, no = len(counted), counted.count(REPRODUCED), counted.count(NOT_REPRODUCED)
+    if counted and yes == n:
         return REPRODUCED
-    if NOT_REPRODUCED in counted:
-        return NOT_REPRODUCED
+    if no and not yes:
+        return NOT_REPRODUCED if no == n else f"{NOT_REPRODUCED} ({no} of {n} comparisons; the rest inconclusive)"
+    if yes and no:
+        return f"mixed ({yes} of {n} comparisons reproduced, {no} not)"
     if all(v == NOT_RUN for v in counted):
         return NOT_RUN
     reasons = {v.removeprefix("inconclusive").strip(" ()") for v in counted if v.startswith("inconclusive")}
     reasons |= {"some arms not run"} if NOT_RUN in counted else set()
-    reasons = sorted(reasons)
-    return "inconclusive" + (f" ({'; '.join(reasons)})" if reasons else "")
+    reasons = "; ".join(sorted(reasons))
+    if yes:
+        return f"{REPRODUCED} on {yes} of {n} comparisons; the rest inconclusive" + (f" ({reasons})" if reasons else "")
+    return "inconclusive" + (f" ({reasons})" if reasons else "")
 
 
 def judge(claims: list[dict], arms: dict, chance: dict) -> list[dict]:

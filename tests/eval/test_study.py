@@ -115,3 +115,30 @@ def test_second_invocation_redoes_nothing(quick):
     assert proc.stdout.count("finished before (result.json): skipped") == len(ARMS)
     assert "prefill: up to date" in proc.stdout
     assert {p: p.stat().st_mtime for p in stamps} == stamps and (out / "prefill.json").stat().st_mtime == prefill
+
+
+def test_claim_verdicts_follow_the_rule():
+    """Gap against spread per comparison, chance and seed counts, and the claim's verdict from its comparisons."""
+    from eval.study.claims import compare, judge
+
+    def agg(mean, std, n=3):
+        return {"mean": mean, "std": std, "n": n}
+
+    arms = {"a": {"bits_per_token": agg(7.0, 0.05), "mean_score": agg(0.5, 0.01), "x": agg(1.0, None, 1)},
+            "b": {"bits_per_token": agg(7.2, 0.10), "mean_score": agg(0.1, 0.01), "x": agg(2.0, None, 1)}}  # fmt: skip
+    chance = {"a": {"mean_score": 0.2}, "b": {"mean_score": 0.2}}
+    verdict = lambda **c: compare({"a": "a", "b": "b", **c}, arms, chance)["verdict"]
+    assert verdict(metric="bits_per_token", expect="lower") == "reproduced"  # gap 0.2 > spread 0.1
+    assert verdict(metric="bits_per_token", expect="higher") == "not reproduced"
+    assert verdict(metric="mean_score", expect="higher") == "inconclusive (at or below chance)"  # b at chance
+    assert verdict(metric="x", expect="lower") == "inconclusive (1 seed)"
+    arms["b"]["bits_per_token"] = agg(7.08, 0.10)
+    assert verdict(metric="bits_per_token", expect="lower") == "inconclusive at this scale"  # gap 0.08 < 0.1
+    arms["b"]["bits_per_token"] = agg(7.2, 0.10)
+    both = [{"a": "a", "b": "b", "metric": "bits_per_token", "expect": "lower"},
+            {"a": "a", "b": "b", "metric": "mean_score", "expect": "higher"}]  # fmt: skip
+    [claim] = judge([{"id": "c", "paper": "p", "claim": "t", "compare": both}], arms, chance)
+    assert claim["verdict"] == "reproduced on 1 of 2 comparisons; the rest inconclusive (at or below chance)"
+    both[0]["expect"] = "higher"
+    [claim] = judge([{"id": "c", "paper": "p", "claim": "t", "compare": both}], arms, chance)
+    assert claim["verdict"] == "not reproduced (1 of 2 comparisons; the rest inconclusive)"
