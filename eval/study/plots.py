@@ -46,14 +46,15 @@ def loss_curves(out: str, arms: list[str], seeds: int, png: Path) -> Path | None
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     drawn = 0
-    for arm in arms:
+    for i, arm in enumerate(arms):
         path = _first_seed(out, arm, seeds)
         steps = read_metrics(path / "train" / "metrics.jsonl")[0] if path else []
         points = [(s["step"], s["lm_loss"]) for s in steps if s.get("lm_loss") is not None]
         if not points:
             continue
         xs, ys = zip(*points)
-        ax.plot(xs, _smooth(list(ys), max(1, len(ys) // 30)), label=arm, lw=1.2)
+        style = ("-", "--", ":")[i // 10 % 3]  # 10 colours, then the next line style: every arm stays distinct
+        ax.plot(xs, _smooth(list(ys), max(1, len(ys) // 30)), style, color=f"C{i % 10}", label=arm, lw=1.2)
         drawn += 1
     if not drawn:
         plt.close(fig)
