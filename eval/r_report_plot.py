@@ -10,7 +10,8 @@ SERIES_LABELS = {"r": "total R", "r_text": "text R", "r_image": "image R"}
 SERIES_COLORS = {"r": "#333333", "r_text": "tab:blue", "r_image": "tab:orange"}
 
 
-def _moving_average(ys: list[float], window: int) -> list[float]:
+def moving_average(ys: list[float], window: int) -> list[float]:
+    """Mean of each value and the ``window - 1`` before it (fewer at the start)."""
     out, acc = [], 0.0
     for i, y in enumerate(ys):
         acc += y - (ys[i - window] if i >= window else 0.0)
@@ -31,7 +32,7 @@ def _plot_training(ax, records: Records, train: dict) -> None:
         color = SERIES_COLORS[key]
         if many:  # raw steps faint, a moving average on top
             ax.plot(xs, ys, color=color, lw=0.6, alpha=0.25)
-            ax.plot(xs, _moving_average(list(ys), max(2, len(ys) // 50)), color=color, lw=1.8, label=label)
+            ax.plot(xs, moving_average(list(ys), max(2, len(ys) // 50)), color=color, lw=1.8, label=label)
         else:
             ax.plot(xs, ys, color=color, lw=1.6, marker="o" if len(xs) <= 30 else None, ms=3, label=label)
     if train["target_r"] is not None:
@@ -112,15 +113,22 @@ def _plot_eval(ax, ev: dict, target_r: float | None) -> None:
         ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
 
 
-def plot_report(records: Records, summary: dict, out_png: str | Path) -> Path:
-    """PNG with one panel per kind of data present: R over training steps, and R per task with scores."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # Agg, no display, no pyplot global state
+def agg_figure(**kwargs):
+    """A matplotlib ``Figure`` (``kwargs`` as its constructor's) drawn by Agg: no display, no pyplot global state,
+    so figures can be drawn from any thread and nothing needs closing."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
+    fig = Figure(**kwargs)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def plot_report(records: Records, summary: dict, out_png: str | Path) -> Path:
+    """PNG with one panel per kind of data present: R over training steps, and R per task with scores."""
     panels = [p for p in ("train", "eval") if summary[p] is not None]
     n_groups = len(_eval_groups(summary["eval"])) if summary["eval"] else 0
-    fig = Figure(figsize=(max(10.0, 1.3 * n_groups), 4.8 * max(1, len(panels))), dpi=110, layout="constrained")
-    FigureCanvasAgg(fig)
+    fig = agg_figure(figsize=(max(10.0, 1.3 * n_groups), 4.8 * max(1, len(panels))), dpi=110, layout="constrained")
     axes = fig.subplots(max(1, len(panels)), 1, squeeze=False)[:, 0]
     for ax, panel in zip(axes, panels):
         if panel == "train":

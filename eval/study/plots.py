@@ -13,24 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from eval.r_report_plot import SERIES_COLORS, SERIES_LABELS, agg_figure, moving_average
 from eval.study.collect import read_metrics, run_dir
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _smooth(ys: list[float], window: int) -> list[float]:
-    out, acc = [], 0.0
-    for i, y in enumerate(ys):
-        acc += y - (ys[i - window] if i >= window else 0.0)
-        out.append(acc / min(i + 1, window))
-    return out
 
 
 def _first_seed(out: str, arm: str, seeds: int) -> Path | None:
@@ -43,8 +27,8 @@ def _first_seed(out: str, arm: str, seeds: int) -> Path | None:
 
 def loss_curves(out: str, arms: list[str], seeds: int, png: Path) -> Path | None:
     """LM loss over steps, one line per arm (its lowest finished seed)."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig = agg_figure(figsize=(8, 4.5))
+    ax = fig.subplots()
     drawn = 0
     for i, arm in enumerate(arms):
         path = _first_seed(out, arm, seeds)
@@ -54,17 +38,15 @@ def loss_curves(out: str, arms: list[str], seeds: int, png: Path) -> Path | None
             continue
         xs, ys = zip(*points)
         style = ("-", "--", ":")[i // 10 % 3]  # 10 colours, then the next line style: every arm stays distinct
-        ax.plot(xs, _smooth(list(ys), max(1, len(ys) // 30)), style, color=f"C{i % 10}", label=arm, lw=1.2)
+        ax.plot(xs, moving_average(list(ys), max(1, len(ys) // 30)), style, color=f"C{i % 10}", label=arm, lw=1.2)
         drawn += 1
     if not drawn:
-        plt.close(fig)
         return None
     ax.set(xlabel="step", ylabel="training LM loss (moving average)", title="Loss per arm (seed 0)")
     ax.legend(fontsize=7, ncol=2)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
-    plt.close(fig)
     return png
 
 
@@ -74,14 +56,13 @@ def r_by_modality(out: str, arm: str, seeds: int, png: Path) -> Path | None:
     steps = read_metrics(path / "train" / "metrics.jsonl")[0] if path else []
     if not steps:
         return None
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for key, label, color in (("r", "total", "#333333"), ("r_text", "text", "tab:blue"),
-                              ("r_image", "image", "tab:orange")):  # fmt: skip
+    fig = agg_figure(figsize=(8, 4.5))
+    ax = fig.subplots()
+    for key in ("r", "r_text", "r_image"):
         points = [(s["step"], s[key]) for s in steps if s.get(key) is not None]
         if points:
             xs, ys = zip(*points)
-            ax.plot(xs, ys, label=f"{label} R", color=color, lw=1.0, alpha=0.9)
+            ax.plot(xs, ys, label=SERIES_LABELS[key], color=SERIES_COLORS[key], lw=1.0, alpha=0.9)
     target = steps[-1].get("target_r")
     if target:
         ax.axhline(target, ls="--", color="grey", lw=1, label=f"target R = {target:g}")
@@ -92,14 +73,13 @@ def r_by_modality(out: str, arm: str, seeds: int, png: Path) -> Path | None:
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
-    plt.close(fig)
     return png
 
 
 def r_control(out: str, arms: list[str], seeds: int, png: Path) -> Path | None:
     """Total (solid) and image (dotted) R per training step of each of ``arms`` (its lowest finished seed)."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig = agg_figure(figsize=(8, 4.5))
+    ax = fig.subplots()
     target, drawn = None, 0
     for i, arm in enumerate(arms):
         path = _first_seed(out, arm, seeds)
@@ -113,7 +93,6 @@ def r_control(out: str, arms: list[str], seeds: int, png: Path) -> Path | None:
                 drawn += 1
         target = target or (steps[-1].get("target_r") if steps else None)
     if not drawn:
-        plt.close(fig)
         return None
     if target:
         ax.axhspan(0.85 * target, 1.15 * target, color="grey", alpha=0.15, label=f"target R = {target:g} ±15%")
@@ -123,7 +102,6 @@ def r_control(out: str, arms: list[str], seeds: int, png: Path) -> Path | None:
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
-    plt.close(fig)
     return png
 
 
@@ -133,8 +111,8 @@ def score_vs_r(points: list[tuple[str, float, dict, dict]], png: Path, chance: f
     points = [p for p in points if p[2] or p[3]]
     if not points:
         return None
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(9, 4))
+    fig = agg_figure(figsize=(9, 4))
+    axes = fig.subplots(1, 2)
     for ax, idx, label in ((axes[0], 2, "mean task score"), (axes[1], 3, "held-out bits per token")):
         for arm, r, score, bits in points:
             stats = (score, bits)[idx - 2]
@@ -149,5 +127,4 @@ def score_vs_r(points: list[tuple[str, float, dict, dict]], png: Path, chance: f
     fig.suptitle("Score against R (mean ± std over seeds)")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
-    plt.close(fig)
     return png
