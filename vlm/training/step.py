@@ -56,7 +56,8 @@ def optimizer_groups(model: torch.nn.Module, router_lr_scale: float) -> list[dic
     scene) share one p, and at the full lr Adam's normalised steps carried that shared p across 0.5 and back in
     blocks of steps: all of them boundaries (image R ~1), then none (R ~10+). At 0.1x the per-step R of the tiny
     recipe stays within +-15% of the target over the second half of training (docs/study.md, "R under control").
-    H-Net likewise trains its routing modules at a scaled learning rate.
+    H-Net also gives parts of its network their own lr multipliers (per hierarchy stage, through optimiser groups);
+    the router's 0.1 here is this project's choice, measured there.
     """
     router, rest = [], []
     for name, param in model.named_parameters():
