@@ -21,9 +21,14 @@ A run folder ``OUT/runs/<arm>/seed<k>/`` holds ``train/metrics.jsonl`` (the trai
 from __future__ import annotations
 
 import json
+import logging
 import math
 import statistics
 from pathlib import Path
+
+from data_pipelines.jsonl import read_json_lines
+
+logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 R_KEYS = ("r", "r_text", "r_image")
@@ -41,17 +46,19 @@ def read_json(path: Path) -> dict | list | None:
 
 
 def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
-    """(train step records that were not skipped, held-out eval records) of a ``metrics.jsonl``, by step."""
+    """(train step records that were not skipped, held-out eval records) of a ``metrics.jsonl``, by step. Read with
+    the toolkit's JSONL reader: a malformed line (a kill mid-write) is skipped with a warning naming it."""
     steps, evals = [], []
+
+    def bad(lineno: int, why: str) -> None:
+        logger.warning("%s:%d: skipped malformed line (%s)", path, lineno, why)
+
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        with path.open(encoding="utf-8", errors="replace") as f:
+            records = [rec for _, rec in read_json_lines(f, bad)]
     except OSError:
         return [], []
-    for line in lines:
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
+    for rec in records:
         if rec.get("split") == "eval":
             evals.append(rec)
         elif not rec.get("skipped") and rec.get("loss") is not None:
