@@ -100,16 +100,21 @@ class GenSettings:
         )
 
 
-def apply_chunking_overrides(model, chunking=None, target_r=None, noise_tau=None, modality_boundaries=None) -> None:
-    """Eval-time chunking for studies: ``fixed`` + ``target_r`` forces R; ``noise_tau``; ``modality_boundaries``
-    (through ``ConceptMoEVLM.set_chunking``; errors name the setting)."""
+def apply_chunking_overrides(
+    model, chunking=None, target_r=None, noise_tau=None, modality_boundaries=None, image_chunking=None
+) -> None:
+    """Eval-time chunking for studies: ``fixed`` + ``target_r`` forces R; ``noise_tau``; ``modality_boundaries``;
+    ``image_chunking`` (through ``ConceptMoEVLM.set_chunking``; errors name the setting)."""
     settings = dict(chunking=chunking, target_r=target_r, noise_tau=noise_tau)
     try:
-        model.set_chunking(modality_boundaries, **{k: v for k, v in settings.items() if v is not None})
+        model.set_chunking(modality_boundaries, image_chunking, **{k: v for k, v in settings.items() if v is not None})
     except ValueError as err:
         raise ValueError(f"conceptmoe: {err}") from None
     cfg = model.config.text_config
-    logger.info("conceptmoe: chunking=%s target_r=%s noise_tau=%s", cfg.chunking, cfg.target_r, cfg.noise_tau)
+    logger.info(
+        "conceptmoe: chunking=%s target_r=%s noise_tau=%s image_chunking=%s",
+        cfg.chunking, cfg.target_r, cfg.noise_tau, model.config.image_chunking,
+    )  # fmt: skip
 
 
 @contextlib.contextmanager

@@ -16,7 +16,8 @@ Registered through the ``lmms_eval.models`` entry point (``pyproject.toml``: ``c
   patches (image R 15) still makes ~5 of 1536 (image R ~300), docs/study.md "R where it matters";
 - chunking studies: ``chunking`` (``dynamic`` | ``fixed``: a boundary every ``target_r`` tokens, i.e. a forced
   eval-time R | ``none`` on a chunked model is refused), ``target_r``, ``noise_tau`` (boundary noise only ever
-  applies in training mode; evaluation runs in eval mode), ``modality_boundaries`` (true / false);
+  applies in training mode; evaluation runs in eval mode), ``modality_boundaries`` (true / false),
+  ``image_chunking`` (``raster`` / ``rows`` / ``snake`` / ``zorder`` / ``router2d``, ``vlm.image_scan``);
 - ``stats_dir``: where the per-sample R records go (default: ``--output_path``'s model folder, next to
   lmms-eval's ``*_results.json``), ``record_stats`` (default true);
 - ``chat_template``: unset or ``default``: every task context is one user message ``{"role": "user", "content":
@@ -97,6 +98,7 @@ class ConceptMoELMMs(lmms):
         target_r: float | str | None = None,
         noise_tau: float | str | None = None,
         modality_boundaries: bool | str | None = None,
+        image_chunking: str | None = None,
         stats_dir: str | None = None,
         record_stats: bool | str = True,
         chat_template: str | None = None,
@@ -127,6 +129,7 @@ class ConceptMoELMMs(lmms):
             modality_boundaries=None
             if modality_boundaries is None
             else _as_bool(modality_boundaries, "modality_boundaries"),
+            image_chunking=image_chunking or None,
         )
         self.chat_template = gen.resolve_chat_template(chat_template)  # None: raw prompts
         self.record_stats = _as_bool(record_stats, "record_stats")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 from vlm.backbone.config import ConceptMoEConfig, Rule, check_rules, field_rule, rename_legacy_fields
+from vlm.image_scan import IMAGE_CHUNKING
 
 # Fields renamed since the first release: configs saved under the old name still load (mapped, with a warning).
 VLM_RENAMED_FIELDS = {"vision_merge": "pixel_shuffle"}
@@ -19,6 +20,10 @@ VLM_RULES: tuple[Rule, ...] = (
       for f in _TOWER_FIELDS),
     Rule("vision_embed_dim", lambda c: None in (c.vision_embed_dim, c.vision_heads)
          or c.vision_embed_dim % c.vision_heads == 0, "must be divisible by vision_heads"),
+    field_rule("image_chunking", lambda v: v in IMAGE_CHUNKING, f"allowed values are {', '.join(IMAGE_CHUNKING)}"),
+    Rule("image_chunking", lambda c: c.image_chunking != "router2d" or c.text_config.chunking == "dynamic",
+         "router2d compares image tokens with two neighbours in the learned router: it needs "
+         "text_config.chunking='dynamic' (got {c.text_config.chunking!r})"),
     field_rule("vision_model", lambda name: name.startswith(("naflexvit", "vit_")),
                "must name a timm NaFlexViT ('naflexvit_*') or ViT ('vit_*') model"),
 )  # fmt: skip
@@ -36,7 +41,9 @@ class ConceptMoEVLMConfig(PretrainedConfig):
     Images become ``num_tokens`` slots each (patch grid / ``pixel_shuffle``²) in the token rows; the slots hold
     ``image_token_id`` and ``modality_ids == 1``. ``modality_boundaries`` forces a concept boundary on
     the last token of every modality span, so that no concept mixes text and image tokens (causal: the
-    layout of a sequence — where its images are — is known before their content).
+    layout of a sequence — where its images are — is known before their content). ``image_chunking`` chooses how
+    image tokens are scanned and chunked (``raster``, the paper's, or a 2-D aware choice: ``rows``, ``snake``,
+    ``zorder``, ``router2d``; see ``vlm.image_scan``).
     """
 
     model_type = "conceptmoe_vlm"
@@ -58,6 +65,7 @@ class ConceptMoEVLMConfig(PretrainedConfig):
         projector_hidden: int | None = None,
         image_token_id: int | None = None,
         modality_boundaries: bool = False,
+        image_chunking: str = "raster",
         freeze_vision: bool = False,
         freeze_backbone: bool = False,
         bos_token_id: int | None = None,
@@ -86,6 +94,7 @@ class ConceptMoEVLMConfig(PretrainedConfig):
         self.projector_hidden = projector_hidden
         self.image_token_id = text_config.vocab_size - 1 if image_token_id is None else image_token_id
         self.modality_boundaries = modality_boundaries
+        self.image_chunking = image_chunking
         self.freeze_vision = freeze_vision
         self.freeze_backbone = freeze_backbone
         # the tokenizer's, as HF models carry them (``VLMProcessor.special_token_ids``); the model's generation config

@@ -25,6 +25,7 @@ from vlm.backbone.decoding import ConceptMoEGenerationMixin
 from vlm.backbone.model import ConceptMoEForCausalLM
 from vlm.backbone.outputs import ConceptMoECausalLMOutput
 from vlm.config import ConceptMoEVLMConfig
+from vlm.image_scan import neighbour_offsets, reorder_image_tokens, row_ends, token_grids
 
 
 def modality_span_ends(modality_BN: torch.Tensor, valid_BN: torch.Tensor) -> torch.Tensor:
@@ -32,6 +33,13 @@ def modality_span_ends(modality_BN: torch.Tensor, valid_BN: torch.Tensor) -> tor
     ends_BN = torch.zeros_like(valid_BN)
     ends_BN[:, :-1] = (modality_BN[:, :-1] != modality_BN[:, 1:]) & valid_BN[:, 1:]
     return ends_BN & valid_BN
+
+
+def scatter_to_slots(slots_BN: torch.Tensor, values_T: torch.Tensor, fill_BN: torch.Tensor) -> torch.Tensor:
+    """``fill_BN`` with the image slots (in row-major order, as the image tokens fill them) set to ``values_T``."""
+    out = fill_BN.clone()
+    out[slots_BN] = values_T.to(out.device, out.dtype)
+    return out
 
 
 class ConceptMoEVLM(PreTrainedModel, ConceptMoEGenerationMixin):
@@ -104,15 +112,24 @@ class ConceptMoEVLM(PreTrainedModel, ConceptMoEGenerationMixin):
         model.apply_freezing()
         return model
 
-    def set_chunking(self, modality_boundaries: bool | None = None, **settings) -> None:
+    def set_chunking(
+        self, modality_boundaries: bool | None = None, image_chunking: str | None = None, **settings
+    ) -> None:
         """Change chunking settings in place: the backbone's (``ConceptMoEForCausalLM.set_chunking``: ``chunking``,
-        ``target_r``, ``noise_tau``, ...; ``config.text_config`` follows) and the VLM's ``modality_boundaries``."""
+        ``target_r``, ``noise_tau``, ...; ``config.text_config`` follows) and the VLM's ``modality_boundaries`` and
+        ``image_chunking``; the VLM config is then validated as a whole."""
         settings = rename_legacy_fields(settings, "set_chunking")
+        if image_chunking is not None:  # checked before anything changes
+            fields = {k: v for k, v in self.config.to_dict().items() if k not in ("model_type", "text_config")}
+            text = {**self.config.text_config.to_dict(), **settings}
+            ConceptMoEVLMConfig(**{**fields, "text_config": text, "image_chunking": image_chunking})
         self.language_model.set_chunking(**settings)
         for name in settings:
             setattr(self.config.text_config, name, getattr(self.language_model.config, name))
         if modality_boundaries is not None:
             self.config.modality_boundaries = bool(modality_boundaries)
+        if image_chunking is not None:
+            self.config.image_chunking = image_chunking
 
     def set_special_token_ids(self, bos_token_id=None, eos_token_id=None, pad_token_id=None) -> None:
         """The tokenizer's special ids (``**processor.special_token_ids``) into the config and the generation config,
@@ -167,12 +184,16 @@ class ConceptMoEVLM(PreTrainedModel, ConceptMoEGenerationMixin):
         grid = torch.tensor([[m, m]], device=like.device)
         return self.image_embeddings(patches, coord.to(like.device), valid, grid).sum()
 
-    def embed(self, input_ids, modality_ids, attention_mask, patches, patch_coord, patch_valid, grid_hw):
-        """Text embeddings with every image slot (``modality_ids == 1``) replaced by its image token."""
-        embeds_BND = self.get_input_embeddings()(input_ids)
+    def image_slots(self, modality_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """[B, N] bool: the image slots (``modality_ids == 1`` on real tokens)."""
         slots_BN = modality_ids == Modality.IMAGE
-        if attention_mask is not None:
-            slots_BN = slots_BN & attention_mask.bool()
+        return slots_BN if attention_mask is None else slots_BN & attention_mask.bool()
+
+    def embed(self, input_ids, modality_ids, attention_mask, patches, patch_coord, patch_valid, grid_hw):
+        """Text embeddings with every image slot (``modality_ids == 1``) replaced by its image token, each image's
+        tokens in the scan order of ``config.image_chunking`` (``vlm.image_scan``)."""
+        embeds_BND = self.get_input_embeddings()(input_ids)
+        slots_BN = self.image_slots(modality_ids, attention_mask)
         n_slots = int(slots_BN.sum())
         n_images = 0 if patches is None else patches.shape[0]
         if n_images == 0:
@@ -187,7 +208,33 @@ class ConceptMoEVLM(PreTrainedModel, ConceptMoEGenerationMixin):
                 f"input has {n_slots} image slots but its {n_images} images give {image_TD.shape[0]} tokens: "
                 "build inputs with VLMProcessor and an ImageProcessor whose pixel_shuffle equals the model's"
             )
+        grids = token_grids(grid_hw, self.config.pixel_shuffle)
+        image_TD = reorder_image_tokens(image_TD, grids, self.config.image_chunking)
         return embeds_BND.masked_scatter(slots_BN[..., None], image_TD)
+
+    def chunking_inputs(self, modality_ids, attention_mask, grid_hw, use_cache: bool):
+        """(forced boundaries [B, N] bool or None, router neighbours [B, N, 2] long or None) for the backbone:
+        ``modality_boundaries`` ends every modality span; ``image_chunking`` ``rows`` ends every token row of an
+        image, ``router2d`` gives image tokens their left / upper neighbours (``vlm.image_scan``)."""
+        mode = self.config.image_chunking
+        valid_BN = torch.ones_like(modality_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        forced_BN = neighbours_BN2 = None
+        if self.config.modality_boundaries:
+            forced_BN = modality_span_ends(modality_ids, valid_BN)
+            if use_cache:  # generated tokens are text: a prompt ending on an image token ends an image span there
+                forced_BN[:, -1] |= (modality_ids[:, -1] == Modality.IMAGE) & valid_BN[:, -1]
+        if mode not in ("rows", "router2d") or grid_hw is None or grid_hw.numel() == 0:
+            return forced_BN, neighbours_BN2
+        slots_BN = self.image_slots(modality_ids, attention_mask)
+        grids = token_grids(grid_hw, self.config.pixel_shuffle)
+        if mode == "rows":
+            ends_BN = scatter_to_slots(slots_BN, row_ends(grids), torch.zeros_like(valid_BN))
+            forced_BN = ends_BN if forced_BN is None else forced_BN | ends_BN
+        else:
+            left_BN2 = torch.zeros(*valid_BN.shape, 2, dtype=torch.long, device=valid_BN.device)
+            left_BN2[..., 0] = 1
+            neighbours_BN2 = scatter_to_slots(slots_BN, neighbour_offsets(grids), left_BN2)
+        return forced_BN, neighbours_BN2
 
     def forward(
         self,
@@ -228,12 +275,7 @@ class ConceptMoEVLM(PreTrainedModel, ConceptMoEGenerationMixin):
             if attention_mask is not None:
                 ignore_BN = ignore_BN | ~attention_mask.bool()
             labels = labels.masked_fill(ignore_BN, -100)
-        forced_BN = None
-        if self.config.modality_boundaries:
-            valid_BN = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-            forced_BN = modality_span_ends(modality_ids, valid_BN)
-            if use_cache:  # generated tokens are text: a prompt ending on an image token ends an image span there
-                forced_BN[:, -1] |= (modality_ids[:, -1] == Modality.IMAGE) & valid_BN[:, -1]
+        forced_BN, neighbours_BN2 = self.chunking_inputs(modality_ids, attention_mask, grid_hw, use_cache)
         return lm(
             inputs_embeds=embeds_BND,
             labels=labels,
@@ -242,6 +284,7 @@ class ConceptMoEVLM(PreTrainedModel, ConceptMoEGenerationMixin):
             doc_ids=doc_ids,
             position_ids=position_ids,
             forced_boundaries=forced_BN,
+            boundary_neighbours=neighbours_BN2,
             cache=cache,
             use_cache=use_cache,
             logits_to_keep=logits_to_keep,

@@ -99,14 +99,37 @@ class ChunkModule(nn.Module):
             self.proj = nn.Linear(2 * d_model, 1)
 
     def boundary_probs(self, h_BND: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
-        if self.kind == "cosine":
-            p_rest = cosine_boundary_probs(self.q_proj(h_BND), self.k_proj(h_BND))
+        if layout.neighbour_BN2 is not None:
+            p_BN = self.neighbour_probs(h_BND, layout.neighbour_BN2)
+        elif self.kind == "cosine":
+            p_BN = F.pad(cosine_boundary_probs(self.q_proj(h_BND), self.k_proj(h_BND)), (1, 0), value=1.0)
         else:
             pair = torch.cat([h_BND[:, :-1], h_BND[:, 1:]], dim=-1)  # [B, N-1, 2D]: (ĥ_{n-1}; ĥ_n)
-            p_rest = torch.sigmoid(self.proj(pair).squeeze(-1).float())
-        p_BN = F.pad(p_rest, (1, 0), value=1.0)
+            p_BN = F.pad(torch.sigmoid(self.proj(pair).squeeze(-1).float()), (1, 0), value=1.0)
         p_BN = torch.where(layout.forced_BN, torch.ones_like(p_BN), p_BN)
         return p_BN * layout.valid_BN
+
+    def neighbour_probs(self, h_BND: torch.Tensor, neighbour_BN2: torch.Tensor) -> torch.Tensor:
+        """2-D image chunking (``vlm.image_scan``, ``router2d``): Eq. 2 (or the linear form) between token n and each
+        earlier token ``neighbour_BN2[:, n]`` points back to (left, up; 0 = none), and p_n = the smaller of the two:
+        a boundary only where token n differs from every neighbour whose region it could join. With offsets (1, 0)
+        everywhere this is the 1-D router. A token with no neighbour gets p = 1 (only document starts have none)."""
+        n = h_BND.shape[1]
+        idx_N = torch.arange(n, device=h_BND.device)
+        if self.kind == "cosine":
+            q_BND = F.normalize(self.q_proj(h_BND).float(), dim=-1)
+            k_BND = F.normalize(self.k_proj(h_BND).float(), dim=-1)
+        p_BN = torch.ones(h_BND.shape[:2], device=h_BND.device)
+        for back_BN in neighbour_BN2.unbind(-1):
+            src_BN = (idx_N[None] - back_BN).clamp_min(0)
+            if self.kind == "cosine":
+                k_prev_BND = torch.gather(k_BND, 1, src_BN[..., None].expand_as(k_BND))
+                pair_BN = ((1.0 - (q_BND * k_prev_BND).sum(-1)) / 2.0).clamp(0.0, 1.0)
+            else:
+                h_prev_BND = torch.gather(h_BND, 1, src_BN[..., None].expand_as(h_BND))
+                pair_BN = torch.sigmoid(self.proj(torch.cat([h_prev_BND, h_BND], dim=-1)).squeeze(-1).float())
+            p_BN = torch.where(back_BN > 0, torch.minimum(p_BN, pair_BN), p_BN)
+        return p_BN
 
     def step_probs(self, prev_h_BD: torch.Tensor, h_BD: torch.Tensor) -> torch.Tensor:
         """p of one new token per row from its state and the previous token's (decoding; Eq. 2 as above)."""

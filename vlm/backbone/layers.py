@@ -46,6 +46,9 @@ class SeqLayout:
     forced_BN: torch.Tensor | None = None  # bool: must-be boundaries (document starts + caller's); None = starts
     keys_B11N: torch.Tensor | None = None  # decode steps only: which cached keys the lone query sees (None = all)
     all_valid: bool = False  # no padding anywhere (every position is a real token)
+    # long [B, N, 2]: how many tokens back the (left, up) tokens lie that Eq. 2 compares token n with, 0 = none
+    # (2-D image chunking, ``vlm.image_scan``); None = the previous token only (the paper)
+    neighbour_BN2: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.forced_BN is None:
@@ -78,12 +81,14 @@ def make_layout(
     device: torch.device,
     pos_BN: torch.Tensor | None = None,
     boundary_BN: torch.Tensor | None = None,
+    neighbour_BN2: torch.Tensor | None = None,
 ) -> SeqLayout:
     """Build the layout of a row batch from optional document ids / padding mask / positions.
 
     Padding positions get document id -1 so that they never attend to, or are attended by, real tokens.
     ``boundary_BN`` marks extra positions that must close a concept (e.g. the last token of every modality
-    span, so that no concept mixes text and image); document starts always are boundaries.
+    span, so that no concept mixes text and image); document starts always are boundaries. ``neighbour_BN2``
+    (see :class:`SeqLayout`) must point inside the token's own document.
     """
     b, n = shape
     all_valid = valid_BN is None or bool(valid_BN.all())
@@ -110,6 +115,7 @@ def make_layout(
         docs=None if plain else plan_doc_attention(doc_BN),
         forced_BN=forced_BN,
         all_valid=all_valid,
+        neighbour_BN2=None if neighbour_BN2 is None else neighbour_BN2.long(),
     )
 
 

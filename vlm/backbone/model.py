@@ -144,6 +144,7 @@ class ConceptMoEModel(ConceptMoEPreTrainedModel):
         attention_mask=None,
         modality_ids=None,
         forced_boundaries=None,
+        boundary_neighbours=None,
         cache: ConceptMoECache | None = None,
         use_cache: bool = False,
         **kwargs,
@@ -153,7 +154,7 @@ class ConceptMoEModel(ConceptMoEPreTrainedModel):
         h_BND = self.embed(input_ids, inputs_embeds)
         if cache is not None and cache.get_seq_length() > 0:
             return self.decode(h_BND, cache, attention_mask)
-        layout = self.layout(h_BND, doc_ids, position_ids, attention_mask, forced_boundaries)
+        layout = self.layout(h_BND, doc_ids, position_ids, attention_mask, forced_boundaries, boundary_neighbours)
         cache = self.prefill_cache(layout, cache, use_cache)
         kv = cache.per_stack() if cache is not None else {}
         h_BND, enc_stats = self.encoder(h_BND, layout, kv=kv.get("encoder"))  # Ĥ = E(H)
@@ -186,11 +187,13 @@ class ConceptMoEModel(ConceptMoEPreTrainedModel):
         return self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
 
     @staticmethod
-    def layout(h_BND, doc_ids, position_ids, attention_mask, forced_boundaries) -> SeqLayout:
-        """Documents, positions, padding and forced boundaries of the rows (doc ids default from positions)."""
+    def layout(h_BND, doc_ids, position_ids, attention_mask, forced_boundaries, boundary_neighbours=None) -> SeqLayout:
+        """Documents, positions, padding, forced boundaries and the router's neighbours of the rows (doc ids default
+        from positions)."""
         if doc_ids is None and position_ids is not None:
             doc_ids = doc_ids_from_positions(position_ids)
-        return make_layout(doc_ids, attention_mask, h_BND.shape[:2], h_BND.device, position_ids, forced_boundaries)
+        shape, device = h_BND.shape[:2], h_BND.device
+        return make_layout(doc_ids, attention_mask, shape, device, position_ids, forced_boundaries, boundary_neighbours)
 
     def prefill_cache(self, layout: SeqLayout, cache: ConceptMoECache | None, use_cache: bool):
         """The cache this forward fills (generation's prefill), or None when nothing is cached."""
@@ -272,6 +275,7 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, ConceptMoEGenerationMixin
         position_ids=None,
         inputs_embeds=None,
         forced_boundaries=None,
+        boundary_neighbours=None,
         cache=None,
         use_cache: bool = False,
         logits_to_keep: int = 0,
@@ -282,7 +286,9 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, ConceptMoEGenerationMixin
         ``doc_ids`` [B, N] marks packed documents (no attention, merging or EMA across them; positions
         restart); ``attention_mask`` marks padding (0); ``modality_ids`` feeds ``chunk_stats`` (and the
         per-modality ratio losses when ``target_r_by_modality`` is set); ``forced_boundaries`` [B, N] bool
-        marks tokens that must close a concept (p = b = 1 there, like a document start).
+        marks tokens that must close a concept (p = b = 1 there, like a document start); ``boundary_neighbours``
+        [B, N, 2] long says how many tokens back the (left, up) tokens lie that the router compares each token
+        with (0 = none; 2-D image chunking, ``vlm.image_scan``; default: the previous token).
 
         Generation: ``use_cache=True`` returns ``cache`` (prefill); passing it back with the next tokens (and the
         attention mask grown by their columns) decodes them incrementally. ``logits_to_keep`` > 0 computes the
@@ -296,6 +302,7 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, ConceptMoEGenerationMixin
             attention_mask=attention_mask,
             modality_ids=modality_ids,
             forced_boundaries=forced_boundaries,
+            boundary_neighbours=boundary_neighbours,
             cache=cache,
             use_cache=use_cache,
         )
@@ -320,4 +327,6 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, ConceptMoEGenerationMixin
                 loss = loss + cfg.balance_loss_weight * aux["balance_loss"]
                 if cfg.moe_z_loss_weight > 0:
                     loss = loss + cfg.moe_z_loss_weight * aux["z_loss"]
-        return ConceptMoECausalLMOutput(loss=loss, logits=logits, aux=aux, chunk_stats=out.chunk_stats, cache=out.cache)
+        return ConceptMoECausalLMOutput(
+            loss=loss, logits=logits, aux=aux, chunk_stats=out.chunk_stats, cache=out.cache, chunk=out.chunk
+        )

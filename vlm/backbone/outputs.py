@@ -31,6 +31,7 @@ class ConceptMoECausalLMOutput(ModelOutput):
     aux: dict | None = None
     chunk_stats: dict | None = None
     cache: object | None = None  # vlm.backbone.cache.ConceptMoECache: pass it back with the next tokens
+    chunk: ChunkOutput | None = None  # p / b of every token (None with chunking="none", and on decode steps)
 
 
 ALWAYS_REPORTED = (0, 1)

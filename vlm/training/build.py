@@ -42,9 +42,10 @@ def init_from_checkpoint(config: dict, processor: VLMProcessor) -> ConceptMoEVLM
         raise ConfigError(f"model.init_from={str(path)!r} holds a {model_type!r} model, not a ConceptMoE one")
     # names checked by load_config (config.check_model: INIT_OVERRIDABLE only); values by set_chunking
     overrides = rename_legacy_fields(config["model"]["overrides"], "model.overrides")
-    vlm_switches = {k: bool(overrides.pop(k)) for k in VLM_OVERRIDABLE if k in overrides}
+    vlm_switches = {k: bool(overrides.pop(k)) for k in ("freeze_vision", "freeze_backbone") if k in overrides}
+    vlm_chunking = {k: overrides.pop(k) for k in VLM_OVERRIDABLE if k in overrides}  # modality / image chunking
     try:
-        model.set_chunking(**overrides)
+        model.set_chunking(**vlm_chunking, **overrides)
     except ValueError as err:
         raise ConfigError(f"model.overrides: {err}") from None
     for name, value in vlm_switches.items():

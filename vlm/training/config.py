@@ -89,7 +89,7 @@ VLM_PRESETS = tuple(name for name in PRESETS if name.removesuffix("-moe") in VIS
 # What ``model.overrides`` may change on a loaded checkpoint (``model.init_from``): the chunking settings
 # ``set_chunking`` takes (training fields that never change a weight shape) plus the VLM's training switches (stage
 # 2 unfreezes what stage 1 froze).
-VLM_OVERRIDABLE = ("freeze_vision", "freeze_backbone", "modality_boundaries")
+VLM_OVERRIDABLE = ("freeze_vision", "freeze_backbone", "modality_boundaries", "image_chunking")
 INIT_OVERRIDABLE = (*CHUNKING_SETTINGS, *VLM_OVERRIDABLE)
 # Model fields the run sets itself (``build.build_model``): an override of them is refused, naming the config field.
 SET_BY_RUN = {
