@@ -68,12 +68,15 @@ demo: venv
 		--output_path $(DEMO_RUN)/eval --log_samples --verbosity DEBUG
 	$(BIN)/python scripts/r_report.py $(DEMO_RUN)/eval
 	$(BIN)/python scripts/score_table.py $(DEMO_RUN)/eval --tasks-dir $(EVAL_DIR)
+	$(BIN)/python scripts/show_concepts.py --model $(DEMO_RUN)/stage2/hf --shards '$(DEMO_DATA)/instruct/eval/*.tar' \
+		--index 0 --out $(DEMO_RUN)/concepts.png --html
 	@echo "shards:        $(DEMO_DATA)/{captions,instruct}/{train,eval} (manifest.json in each)"
 	@echo "metrics:       $(DEMO_RUN)/stage{1,2}/metrics.jsonl (TensorBoard: tb/ beside them)"
 	@echo "HF exports:    $(DEMO_RUN)/stage{1,2}/hf (AutoProcessor / AutoModelForImageTextToText, pipeline)"
 	@echo "R report:      $(DEMO_RUN)/stage2/r_report.json, .png"
 	@echo "lmms-eval:     $(DEMO_RUN)/eval (results, samples, R per task: r_report.json / .png)"
 	@echo "scores:        $(DEMO_RUN)/eval/score_table.md (score, chance, eval-mode R total / text / image)"
+	@echo "concepts:      $(DEMO_RUN)/concepts.png, .html (what the chunker merged in one held-out sample)"
 
 instruct-long: venv
 	test -f $(DEMO_DATA)/scenes_chat/train/manifest.json || $(BIN)/python scripts/make_shards.py \

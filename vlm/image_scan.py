@@ -16,8 +16,12 @@ apart in the image), while tokens that touch vertically are never compared. ``im
 
 Token positions (RoPE) and the processor's slots simply follow the sequence order: the k-th slot of an image holds
 the token at grid cell ``scan_order(h, w, mode)[k]``. Images sit whole in the prompt (generation only adds text), so
-prefill + incremental decoding is unchanged. The pure functions here are shared by the model (``vlm.model``) and the
-concept visualiser (``eval.concepts``).
+prefill + incremental decoding is unchanged. FLOPs (``vlm.accounting.flops``, matrix products only): no choice adds
+a parameter or a matrix product. ``snake`` / ``zorder`` permute tokens; ``rows``' forced boundaries count in the
+measured R, and in the ratio loss's F like any boundary, so the global target R holds with them; ``router2d`` adds
+one d-wide dot product per image token (its q and k projections are the ones Eq. 2 computes anyway).
+
+The pure functions here are shared by the model (``vlm.model``) and the concept visualiser (``eval.concepts``).
 """
 
 # Shape suffixes (docs/paper.md §0): T image tokens of a batch flattened (images in batch order, each in scan order),
