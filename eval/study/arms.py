@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from data_pipelines.tokenizer import load_tokenizer
 from vlm.accounting.flops import TOLERANCE, match, match_report
 from vlm.backbone.config import ConceptMoEConfig
+from vlm.config import ConceptMoEVLMConfig
 
 # Fields the training run sets from its tokenizer and data (vlm/training/config.py SET_BY_RUN): never overridden.
 SET_BY_RUN = ("vocab_size", "image_token_id", "bos_token_id", "eos_token_id", "pad_token_id", "max_patches")
@@ -111,6 +112,10 @@ def build_arm(spec: dict, baseline: ConceptMoEConfig, chunked_defaults: dict) ->
             f"arm {name}: not compute-matched: params {100 * report['params_mismatch']:+.2f}%, linear FLOPs "
             f"{100 * report['flops_linear_mismatch']:+.2f}% (tolerance {100 * TOLERANCE:g}%); change its strategy"
         )
+    try:  # VLM fields (image_chunking, modality_boundaries) checked now, not when the run starts training
+        ConceptMoEVLMConfig(text_config=cfg, **vlm_fields)
+    except (ValueError, TypeError) as err:
+        raise ArmError(f"arm {name}: vlm: {str(err).splitlines()[0]}") from None
     overrides = {**preset_overrides(baseline, cfg), **vlm_fields}
     return Arm(name, cfg, overrides, report, strategy, serves, note, dict(spec.get("train") or {}))
 

@@ -142,3 +142,19 @@ def test_claim_verdicts_follow_the_rule():
     both[0]["expect"] = "higher"
     [claim] = judge([{"id": "c", "paper": "p", "claim": "t", "compare": both}], arms, chance)
     assert claim["verdict"] == "not reproduced (1 of 2 comparisons; the rest inconclusive)"
+
+
+@pytest.mark.parametrize("name", ["study.yaml", "spatial.yaml", "spatial_focus.yaml"])
+def test_shipped_study_configs_load_and_match(name):
+    """Every study YAML under scripts/configs passes the checks (arms, claims, task metrics) and every arm is
+    compute-matched to the baseline, as ``scripts/study.py`` checks before it trains anything."""
+    from eval.study.arms import ArmError, build_arms
+    from eval.study.config import load_study_config
+
+    cfg = load_study_config(str(ROOT / "scripts" / "configs" / name))
+    arms = build_arms(cfg, cfg["arms"])
+    assert [a.name for a in arms] == [spec["name"] for spec in cfg["arms"]]
+    assert all(a.report["within_tolerance"] for a in arms)
+    bad = {**cfg["arms"][1], "vlm": {"image_chunking": "spiral"}}
+    with pytest.raises(ArmError, match="image_chunking='spiral' is invalid"):
+        build_arms(cfg, [cfg["arms"][0], bad])
