@@ -177,6 +177,7 @@ def load_study_config(path: str, sets: list[str] = (), quick: bool = False, out:
     cfg["out"] = out or cfg.get("out") or ("runs/study-quick" if quick else "runs/study")
     cfg["quick"] = quick
     cfg = _fill_out(cfg, cfg["out"])
+    cfg.setdefault("title", None)  # the doc's heading (eval.study.markdown.DEFAULT_TITLE when unset)
     cfg.setdefault("jobs", 2)
     cfg.setdefault("r_band", 0.15)
     cfg.setdefault("prefill", {"tokens": 4096, "repeats": 3})
