@@ -1,5 +1,6 @@
-"""``image_chunking``: scan orders, 2-D neighbours, and, for every choice, causality, packing independence, stepwise
-decoding equal to the full forward, and the concept model's load equal to the reported concept count."""
+"""``image_chunking``: scan orders, 2-D neighbours, and, for every choice, causality, packing independence and the
+concept model's load equal to the reported concept count (stepwise decoding equal to the full forward, for every
+choice: tests/vlm/backbone/test_generation.py)."""
 
 # Shape suffixes (docs/paper.md §0): B batch rows, N tokens per row, D width, 2 a (left, up) pair.
 
@@ -173,30 +174,6 @@ def test_packed_rows_equal_separate_rows_and_concepts_equal_the_load(processor, 
         assert torch.allclose(out.logits[0, start : start + n], single.logits[0], atol=1e-4)
         assert torch.equal(out.chunk.b_BN[0, start : start + n], single.chunk.b_BN[0])
         start += n
-
-
-@pytest.mark.parametrize("mode", IMAGE_CHUNKING)
-@torch.no_grad()
-def test_stepwise_decoding_with_images_equals_the_full_forward(processor, mode):
-    model = make_vlm(processor, mode, seed=4, modality_boundaries=mode == "rows")
-    imgs = images(3, seed=4)
-    prompts = ["<image> what colour is the shape?", "a short one", "two pictures <image> and <image>"]
-    batch = processor(text=prompts, images=[imgs[:1], [], imgs[1:]], padding_side="left")
-    width = batch["input_ids"].shape[1]
-    extra = torch.randint(5, 200, (3, 6), generator=torch.Generator().manual_seed(0))
-    full_ids = torch.cat([batch["input_ids"], extra], 1)
-    full_mask = torch.cat([batch["attention_mask"], torch.ones_like(extra)], 1)
-    full_modality = torch.cat([batch["modality_ids"], torch.zeros_like(extra)], 1)
-    full = model(input_ids=full_ids, attention_mask=full_mask, modality_ids=full_modality,
-                 **{k: batch[k] for k in IMAGE_KEYS})  # fmt: skip
-    out = model(**batch, use_cache=True)
-    logits = [out.logits]
-    for t in range(width, full_ids.shape[1]):
-        out = model(input_ids=full_ids[:, t : t + 1], attention_mask=full_mask[:, : t + 1], cache=out.cache)
-        logits.append(out.logits)
-    real = full_mask.bool()
-    assert torch.allclose(torch.cat(logits, 1)[real], full.logits[real], atol=1e-4)
-    assert int(out.cache.concept_lengths().sum()) == full.chunk_stats["concepts"]
 
 
 @torch.no_grad()

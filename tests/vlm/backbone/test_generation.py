@@ -146,14 +146,18 @@ def images(n, seed=0):
     return [captioned_image(rng)[0] for _ in range(n)]
 
 
-@pytest.mark.parametrize("modality_boundaries", [False, True])
+@pytest.mark.parametrize(
+    "modality_boundaries, image_chunking",
+    [(False, "raster"), (True, "raster"), (True, "rows"), (False, "snake"), (False, "zorder"), (False, "router2d")],
+)
 @torch.no_grad()
-def test_vlm_stepwise_decoding_with_images_equals_the_full_forward(processor, modality_boundaries):
+def test_vlm_stepwise_decoding_with_images_equals_the_full_forward(processor, modality_boundaries, image_chunking):
+    """Every image scan (vlm/image_scan.py) too: 128 x 96 images give 3 x 4 token grids, where they all differ."""
     torch.manual_seed(0)
     model = ConceptMoEVLM.from_preset("tiny", image_token_id=processor.image_token_id, max_patches=64,
-                                      boundary_router_init="random",
-                                      modality_boundaries=modality_boundaries).eval()  # fmt: skip
-    imgs = images(3)
+                                      boundary_router_init="random", modality_boundaries=modality_boundaries,
+                                      image_chunking=image_chunking).eval()  # fmt: skip
+    imgs = [img.resize((128, 96)) for img in images(3)]
     prompts = ["<image> what colour is the shape?", "a short one", "two pictures <image> and <image>"]
     batch = processor(text=prompts, images=[imgs[:1], [], imgs[1:]], padding_side="left")
     width = batch["input_ids"].shape[1]
@@ -174,8 +178,10 @@ def test_vlm_stepwise_decoding_with_images_equals_the_full_forward(processor, mo
 
     generated = model.generate(**batch, max_new_tokens=6, do_sample=False)
     seq, am, mod = batch["input_ids"], batch["attention_mask"], batch["modality_ids"]
-    for _ in range(6):
-        nxt = model(input_ids=seq, attention_mask=am, modality_ids=mod, **image_inputs).logits[:, -1].argmax(-1)
+    for _ in range(6):  # full forwards of the sequence so far, as generation sees it: what follows is text, so a
+        # prompt ending on an image token closes the span there (use_cache=True; modality_boundaries forces it)
+        out = model(input_ids=seq, attention_mask=am, modality_ids=mod, use_cache=True, **image_inputs)
+        nxt = out.logits[:, -1].argmax(-1)
         seq, am = torch.cat([seq, nxt[:, None]], 1), torch.cat([am, torch.ones_like(nxt[:, None])], 1)
         mod = torch.cat([mod, torch.zeros_like(nxt[:, None])], 1)
     assert torch.equal(generated, seq)
