@@ -14,7 +14,7 @@ export HF_DATASETS_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv test demo instruct-long demo-backbone bench lint format clean study
+.PHONY: venv test demo instruct-long demo-backbone bench lint format clean study spatial
 
 venv: $(STAMP)
 
@@ -37,7 +37,8 @@ test: venv
 # The main job, end to end on CPU, as LLaVA trains: synthetic shards -> stage 1 (projector only, captions) ->
 # stage 2 (everything, conversations in the eval tasks' language + captions + text; loss on the answers) with
 # 2-process DeepSpeed -> HF exports -> per-modality R report -> lmms-eval on the four local tasks through the
-# conceptmoe plugin (chat template) -> per-task R report -> score table (score, chance, R per modality).
+# conceptmoe plugin (chat template) -> per-task R report -> score table (score, chance, R per modality) -> the
+# concepts of one held-out sample (scripts/show_concepts.py: runs/demo/concepts.png, .html).
 # `make instruct-long` is the same recipe with a longer stage 2 (scripts/configs/stage2_long.yaml, ~60 min).
 DEMO_DATA := data/demo
 DEMO_RUN := runs/demo
@@ -89,6 +90,11 @@ instruct-long: venv
 STUDY_ARGS ?=
 study: venv
 	$(BIN)/python scripts/study.py --config scripts/configs/study.yaml $(STUDY_ARGS)
+
+# Spatially aware image chunking (scripts/configs/spatial.yaml): raster against rows / snake / zorder / router2d at
+# R = 2, 3 seeds each, in docs/spatial.md with concept pictures (~75 min on 2 CPU cores; resumes like `make study`).
+spatial: venv
+	$(BIN)/python scripts/study.py --config scripts/configs/spatial.yaml $(STUDY_ARGS)
 
 # The backbone alone: ConceptMoE vs its matched MoE on local text (~2 min).
 demo-backbone: venv
