@@ -37,10 +37,15 @@ class Concepts:
 
 
 # ----------------------------------------------------------------------------- Eq. 2-6
+def cosine_pair_probs(q_BND: torch.Tensor, k_BND: torch.Tensor) -> torch.Tensor:
+    """Eq. 2 on aligned pairs: ½(1 − cos(q_i, k_i)), k_i the projection of the token q_i is compared with. [B, N]"""
+    cos_BN = (F.normalize(q_BND.float(), dim=-1) * F.normalize(k_BND.float(), dim=-1)).sum(-1)
+    return ((1.0 - cos_BN) / 2.0).clamp(0.0, 1.0)
+
+
 def cosine_boundary_probs(q_BND: torch.Tensor, k_BND: torch.Tensor) -> torch.Tensor:
     """Eq. 2: p_n = ½(1 − cos(q_n, k_{n−1})), n >= 2. Returns [B, N-1] for positions 1..N-1."""
-    cos_BN = (F.normalize(q_BND[:, 1:].float(), dim=-1) * F.normalize(k_BND[:, :-1].float(), dim=-1)).sum(-1)
-    return ((1.0 - cos_BN) / 2.0).clamp(0.0, 1.0)
+    return cosine_pair_probs(q_BND[:, 1:], k_BND[:, :-1])
 
 
 def sharpen_boundary_probs(p: torch.Tensor, tau: float) -> torch.Tensor:
@@ -104,8 +109,7 @@ class ChunkModule(nn.Module):
         elif self.kind == "cosine":
             p_BN = F.pad(cosine_boundary_probs(self.q_proj(h_BND), self.k_proj(h_BND)), (1, 0), value=1.0)
         else:
-            pair = torch.cat([h_BND[:, :-1], h_BND[:, 1:]], dim=-1)  # [B, N-1, 2D]: (ĥ_{n-1}; ĥ_n)
-            p_BN = F.pad(torch.sigmoid(self.proj(pair).squeeze(-1).float()), (1, 0), value=1.0)
+            p_BN = F.pad(self.linear_pair_probs(h_BND[:, :-1], h_BND[:, 1:]), (1, 0), value=1.0)
         p_BN = torch.where(layout.forced_BN, torch.ones_like(p_BN), p_BN)
         return p_BN * layout.valid_BN
 
@@ -114,30 +118,28 @@ class ChunkModule(nn.Module):
         earlier token ``neighbour_BN2[:, n]`` points back to (left, up; 0 = none), and p_n = the smaller of the two:
         a boundary only where token n differs from every neighbour whose region it could join. With offsets (1, 0)
         everywhere this is the 1-D router. A token with no neighbour gets p = 1 (only document starts have none)."""
-        n = h_BND.shape[1]
-        idx_N = torch.arange(n, device=h_BND.device)
-        if self.kind == "cosine":
-            q_BND = F.normalize(self.q_proj(h_BND).float(), dim=-1)
-            k_BND = F.normalize(self.k_proj(h_BND).float(), dim=-1)
+        idx_N = torch.arange(h_BND.shape[1], device=h_BND.device)
+        if self.kind == "cosine":  # each projection once, whatever the number of neighbours
+            q_BND, k_BND = self.q_proj(h_BND), self.k_proj(h_BND)
         p_BN = torch.ones(h_BND.shape[:2], device=h_BND.device)
         for back_BN in neighbour_BN2.unbind(-1):
-            src_BN = (idx_N[None] - back_BN).clamp_min(0)
+            src_BN3 = (idx_N[None] - back_BN).clamp_min(0)[..., None]
             if self.kind == "cosine":
-                k_prev_BND = torch.gather(k_BND, 1, src_BN[..., None].expand_as(k_BND))
-                pair_BN = ((1.0 - (q_BND * k_prev_BND).sum(-1)) / 2.0).clamp(0.0, 1.0)
+                pair_BN = cosine_pair_probs(q_BND, torch.gather(k_BND, 1, src_BN3.expand_as(k_BND)))
             else:
-                h_prev_BND = torch.gather(h_BND, 1, src_BN[..., None].expand_as(h_BND))
-                pair_BN = torch.sigmoid(self.proj(torch.cat([h_prev_BND, h_BND], dim=-1)).squeeze(-1).float())
+                pair_BN = self.linear_pair_probs(torch.gather(h_BND, 1, src_BN3.expand_as(h_BND)), h_BND)
             p_BN = torch.where(back_BN > 0, torch.minimum(p_BN, pair_BN), p_BN)
         return p_BN
+
+    def linear_pair_probs(self, prev_h: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """The linear router on aligned pairs: σ(w·[ĥ_prev; ĥ] + β), one p per pair (any leading shape)."""
+        return torch.sigmoid(self.proj(torch.cat([prev_h, h], dim=-1)).squeeze(-1).float())
 
     def step_probs(self, prev_h_BD: torch.Tensor, h_BD: torch.Tensor) -> torch.Tensor:
         """p of one new token per row from its state and the previous token's (decoding; Eq. 2 as above)."""
         if self.kind == "cosine":
-            q_BD, k_BD = self.q_proj(h_BD), self.k_proj(prev_h_BD)
-            # the pair as a 2-token sequence: Eq. 2 compares q of token 1 with k of token 0
-            return cosine_boundary_probs(torch.stack([q_BD, q_BD], 1), torch.stack([k_BD, k_BD], 1))[:, 0]
-        return torch.sigmoid(self.proj(torch.cat([prev_h_BD, h_BD], dim=-1)).squeeze(-1).float())
+            return cosine_pair_probs(self.q_proj(h_BD), self.k_proj(prev_h_BD))
+        return self.linear_pair_probs(prev_h_BD, h_BD)
 
     def forward(self, h_BND: torch.Tensor, layout: SeqLayout, tau: float) -> ChunkOutput:
         p_BN = self.boundary_probs(h_BND, layout)
