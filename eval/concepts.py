@@ -3,8 +3,8 @@
 ConceptMoE (arXiv 2601.21420) §3.2: the chunk module gives every token a boundary probability p_n (Eq. 2) and a
 boundary decision b_n; a token with b_n = 1 closes a concept, and concept m is the window of tokens (φ(m−1), φ(m)]
 that ends at the m-th boundary φ(m). Tokens after a row's last boundary belong to no concept yet: the open tail
-(concept id -1). The ids here are the backbone's own: token n joins concept ``cumsum(b)[n] - b[n]``, as
-``vlm.backbone.chunking.merge_tokens`` assigns it, from the boundaries the forward used (``out.chunk.b_BN``: in eval
+(concept id -1). The ids here are the backbone's own: ``vlm.backbone.chunking.token_concepts``, the function
+``merge_tokens`` assigns tokens to concepts with, on the boundaries the forward used (``out.chunk.b_BN``: in eval
 mode p >= 0.5 plus the forced ones); p is never re-thresholded here.
 
 Images: an image's tokens are consecutive slots (``modality_ids == 1``), images in batch order; the k-th slot holds
@@ -34,6 +34,8 @@ from PIL import Image
 from data_pipelines.packing import Packer, collate_rows, encode_sample_tokens
 from data_pipelines.schema import Modality, SkipSample, decode_sample, open_image
 from data_pipelines.tar_reader import TruncatedTar, expand_shards, read_tar_groups, skip_marked
+from vlm.backbone.chunking import boundary_positions, token_concepts
+from vlm.backbone.layers import make_layout
 from vlm.image_scan import scan_cells, token_grids
 
 IMAGE_MARKER = "<image>"
@@ -135,19 +137,16 @@ def concept_map_from_batch(model, batch, tokenizer, images=None, source: str = "
     valid_N = inputs.get("attention_mask", torch.ones_like(inputs["input_ids"]))[0].bool().cpu()
     ids_N = inputs["input_ids"][0].cpu()[valid_N]
     modality_N = inputs.get("modality_ids", torch.zeros_like(inputs["input_ids"]))[0].cpu()[valid_N].numpy()
-    doc_N = inputs.get("doc_ids", torch.zeros_like(inputs["input_ids"]))[0].cpu()[valid_N].numpy()
     p_N = out.chunk.p_BN[0].float().cpu()[valid_N].numpy()
-    b_N = out.chunk.b_BN[0].cpu()[valid_N].numpy().astype(bool)
-
-    # concept ids as the backbone merges: the boundaries before token n; past the last boundary, or in a window whose
-    # boundary lies in another document (merge_tokens clips windows at document starts), none
+    b_BN = out.chunk.b_BN.cpu()
+    b_N = b_BN[0][valid_N].numpy().astype(bool)
     bounds = np.flatnonzero(b_N)
-    concept_N = np.cumsum(b_N) - b_N
-    open_N = concept_N >= len(bounds)
-    concept_N[~open_N] = np.where(doc_N[bounds[concept_N[~open_N]]] == doc_N[~open_N], concept_N[~open_N], -1)
-    concept_N[open_N] = -1
+    # concept ids exactly as the backbone's merge assigns them (-1: the open tail, or a window clipped at a document)
+    mask, docs = inputs.get("attention_mask"), inputs.get("doc_ids")
+    layout = make_layout(None if docs is None else docs.cpu(), None if mask is None else mask.cpu(), b_BN.shape, "cpu")
+    concept_N = token_concepts(b_BN, *boundary_positions(b_BN), layout)[0][valid_N].numpy()
 
-    mode = getattr(model.config, "image_chunking", "raster")
+    mode = model.config.image_chunking
     image_N, image_maps = _images(model.config, batch, modality_N, p_N, b_N, concept_N, images)
     pieces = decode_pieces(tokenizer, ids_N.tolist(), modality_N)
     spans = []
@@ -189,7 +188,7 @@ def _images(config, batch, modality_N, p_N, b_N, concept_N, images) -> tuple[np.
     grids = token_grids(batch["grid_hw"].cpu(), config.pixel_shuffle)
     if sum(h * w for h, w in grids) != len(slots):
         raise ValueError(f"{len(slots)} image slots but the images' grids {grids} hold {sum(h * w for h, w in grids)}")
-    mode = getattr(config, "image_chunking", "raster")
+    mode = config.image_chunking
     cell_px, maps, first = config.patch_size * config.pixel_shuffle, [], 0
     for i, (h, w) in enumerate(grids):
         mine = slots[first : first + h * w]

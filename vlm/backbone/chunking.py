@@ -181,15 +181,26 @@ def merge_tokens(
     if mode == "last":
         return torch.gather(h_BND, 1, idx_BMD) * valid_BM[..., None]
     m = boundary_BM.shape[1]
-    target_BN = torch.cumsum(b_BN.long(), dim=1) - b_BN.long()  # index of the concept that absorbs token n
+    concept_BN = token_concepts(b_BN, boundary_BM, valid_BM, layout)
+    keep_BN = concept_BN >= 0
+    src_BND = h_BND * keep_BN[..., None].to(h_BND.dtype)
+    return torch.zeros(b, m, d, dtype=h_BND.dtype, device=h_BND.device).scatter_add(
+        1, concept_BN.clamp_min(0)[..., None].expand(-1, -1, d), src_BND
+    )
+
+
+def token_concepts(
+    b_BN: torch.Tensor, boundary_BM: torch.Tensor, valid_BM: torch.Tensor, layout: SeqLayout
+) -> torch.Tensor:
+    """The concept whose ``sum`` window holds token n (the index m of φ(m) >= n), or -1: padding, a token after the
+    row's last boundary, or a window clipped at a document start (its boundary lies in a later document). [B, N]"""
+    m = boundary_BM.shape[1]
+    target_BN = torch.cumsum(b_BN.long(), dim=1) - b_BN.long()  # the boundaries before token n
     has_target_BN = target_BN < valid_BM.sum(dim=1, keepdim=True)
     target_BN = target_BN.clamp(max=m - 1)
     target_doc_BN = torch.gather(torch.gather(layout.doc_BN, 1, boundary_BM), 1, target_BN)
     keep_BN = has_target_BN & layout.valid_BN & (target_doc_BN == layout.doc_BN)
-    src_BND = h_BND * keep_BN[..., None].to(h_BND.dtype)
-    return torch.zeros(b, m, d, dtype=h_BND.dtype, device=h_BND.device).scatter_add(
-        1, target_BN[..., None].expand(-1, -1, d), src_BND
-    )
+    return torch.where(keep_BN, target_BN, torch.full_like(target_BN, -1))
 
 
 def concept_layout(layout: SeqLayout, boundary_BM: torch.Tensor, valid_BM: torch.Tensor) -> SeqLayout:
