@@ -117,12 +117,14 @@ class ConceptMoEVLM(PreTrainedModel, ConceptMoEGenerationMixin):
     ) -> None:
         """Change chunking settings in place: the backbone's (``ConceptMoEForCausalLM.set_chunking``: ``chunking``,
         ``target_r``, ``noise_tau``, ...; ``config.text_config`` follows) and the VLM's ``modality_boundaries`` and
-        ``image_chunking``; the VLM config is then validated as a whole."""
+        ``image_chunking``. The resulting VLM config is validated as a whole before anything changes."""
         settings = rename_legacy_fields(settings, "set_chunking")
-        if image_chunking is not None:  # checked before anything changes
-            fields = {k: v for k, v in self.config.to_dict().items() if k not in ("model_type", "text_config")}
-            text = {**self.config.text_config.to_dict(), **settings}
-            ConceptMoEVLMConfig(**{**fields, "text_config": text, "image_chunking": image_chunking})
+        # the whole result checked before anything changes (e.g. router2d needs dynamic chunking, whichever side moves)
+        fields = {k: v for k, v in self.config.to_dict().items() if k not in ("model_type", "text_config")}
+        text = {**self.config.text_config.to_dict(), **settings}
+        ConceptMoEVLMConfig(
+            **{**fields, "text_config": text, "image_chunking": image_chunking or fields["image_chunking"]}
+        )
         self.language_model.set_chunking(**settings)
         for name in settings:
             setattr(self.config.text_config, name, getattr(self.language_model.config, name))

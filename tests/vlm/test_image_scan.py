@@ -202,3 +202,7 @@ def test_router2d_trains_and_choices_are_checked(processor):
     with pytest.raises(ValueError, match="router2d .* needs text_config.chunking='dynamic'"):
         ConceptMoEVLM.from_preset("tiny-moe", image_chunking="router2d")
     assert model.config.image_chunking == "snake"
+    model.set_chunking(image_chunking="router2d")
+    with pytest.raises(ValueError, match="router2d .* needs text_config.chunking='dynamic'"):
+        model.set_chunking(chunking="fixed", target_r=2.0)  # the backbone side moving is checked too
+    assert model.config.text_config.chunking == "dynamic" and model.language_model.config.chunking == "dynamic"
