@@ -25,7 +25,7 @@ from vlm.backbone.decoding import ConceptMoEGenerationMixin
 from vlm.backbone.model import ConceptMoEForCausalLM
 from vlm.backbone.outputs import ConceptMoECausalLMOutput
 from vlm.config import ConceptMoEVLMConfig
-from vlm.image_scan import neighbour_offsets, reorder_image_tokens, row_ends, token_grids
+from vlm.image_scan import REORDERING, neighbour_offsets, reorder_image_tokens, row_ends, token_grids
 
 
 def modality_span_ends(modality_BN: torch.Tensor, valid_BN: torch.Tensor) -> torch.Tensor:
@@ -210,8 +210,9 @@ class ConceptMoEVLM(PreTrainedModel, ConceptMoEGenerationMixin):
                 f"input has {n_slots} image slots but its {n_images} images give {image_TD.shape[0]} tokens: "
                 "build inputs with VLMProcessor and an ImageProcessor whose pixel_shuffle equals the model's"
             )
-        grids = token_grids(grid_hw, self.config.pixel_shuffle)
-        image_TD = reorder_image_tokens(image_TD, grids, self.config.image_chunking)
+        if self.config.image_chunking in REORDERING:  # the grids cost a host sync: only where the order changes
+            grids = token_grids(grid_hw, self.config.pixel_shuffle)
+            image_TD = reorder_image_tokens(image_TD, grids, self.config.image_chunking)
         return embeds_BND.masked_scatter(slots_BN[..., None], image_TD)
 
     def chunking_inputs(self, modality_ids, attention_mask, grid_hw, use_cache: bool):

@@ -15,7 +15,7 @@ from vision_tower import ImageProcessor
 from vlm.backbone.config import rename_legacy_fields
 from vlm.model import ConceptMoEVLM
 from vlm.processor import VLMProcessor
-from vlm.training.config import VLM_OVERRIDABLE, ConfigError, first_line
+from vlm.training.config import VLM_CHUNKING, VLM_SWITCHES, ConfigError, first_line
 
 
 def init_from_checkpoint(config: dict, processor: VLMProcessor) -> ConceptMoEVLM:
@@ -42,8 +42,8 @@ def init_from_checkpoint(config: dict, processor: VLMProcessor) -> ConceptMoEVLM
         raise ConfigError(f"model.init_from={str(path)!r} holds a {model_type!r} model, not a ConceptMoE one")
     # names checked by load_config (config.check_model: INIT_OVERRIDABLE only); values by set_chunking
     overrides = rename_legacy_fields(config["model"]["overrides"], "model.overrides")
-    vlm_switches = {k: bool(overrides.pop(k)) for k in ("freeze_vision", "freeze_backbone") if k in overrides}
-    vlm_chunking = {k: overrides.pop(k) for k in VLM_OVERRIDABLE if k in overrides}  # modality / image chunking
+    vlm_switches = {k: bool(overrides.pop(k)) for k in VLM_SWITCHES if k in overrides}
+    vlm_chunking = {k: overrides.pop(k) for k in VLM_CHUNKING if k in overrides}
     try:
         model.set_chunking(**vlm_chunking, **overrides)
     except ValueError as err:

@@ -89,7 +89,9 @@ VLM_PRESETS = tuple(name for name in PRESETS if name.removesuffix("-moe") in VIS
 # What ``model.overrides`` may change on a loaded checkpoint (``model.init_from``): the chunking settings
 # ``set_chunking`` takes (training fields that never change a weight shape) plus the VLM's training switches (stage
 # 2 unfreezes what stage 1 froze).
-VLM_OVERRIDABLE = ("freeze_vision", "freeze_backbone", "modality_boundaries", "image_chunking")
+VLM_SWITCHES = ("freeze_vision", "freeze_backbone")
+VLM_CHUNKING = ("modality_boundaries", "image_chunking")  # through ConceptMoEVLM.set_chunking
+VLM_OVERRIDABLE = (*VLM_SWITCHES, *VLM_CHUNKING)
 INIT_OVERRIDABLE = (*CHUNKING_SETTINGS, *VLM_OVERRIDABLE)
 # Model fields the run sets itself (``build.build_model``): an override of them is refused, naming the config field.
 SET_BY_RUN = {

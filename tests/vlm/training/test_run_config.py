@@ -1,6 +1,6 @@
 """Training-config validation: every fault fails at start with a one-line ``ConfigError`` naming the field (unknown
 model overrides and presets, model-rule values, non-finite / out-of-range numbers, malformed YAML, missing paths,
-shards without a usable sample). Fast: no model is built, no training runs."""
+shards without a usable sample), and overrides on a checkpoint reaching the model. Fast: no training runs."""
 
 from pathlib import Path
 
@@ -160,3 +160,19 @@ def test_shards_without_a_usable_sample_fail_with_the_skip_counts(good, tmp_path
     write_shard(empty, [])
     with pytest.raises(ConfigError, match=r"data\.eval_shards: no usable sample"):
         check_data(load_config(TINY, [f"data.shards=[{good}]", f"data.eval_shards=[{empty}]"]))
+
+
+def test_checkpoint_overrides_reach_the_vlm_chunking_and_switches(tmp_path):
+    """``model.overrides`` on a ``model.init_from`` checkpoint: image_chunking / modality_boundaries through
+    ``set_chunking`` (validated), the freeze flags as switches; a bad combination is a one-line ConfigError."""
+    from vlm.training.build import build_model
+
+    model, processor = build_model(load_config(TINY))
+    model.save_pretrained(tmp_path / "ckpt")
+    ckpt = f"model.init_from={tmp_path / 'ckpt'}"
+    overrides = "model.overrides={image_chunking: rows, modality_boundaries: true, freeze_vision: true}"
+    loaded, _ = build_model(load_config(TINY, [ckpt, overrides]))
+    assert (loaded.config.image_chunking, loaded.config.modality_boundaries) == ("rows", True)
+    assert loaded.config.freeze_vision and not any(p.requires_grad for p in loaded.vision_tower.parameters())
+    with pytest.raises(ConfigError, match="model.overrides: .*router2d .* needs text_config.chunking='dynamic'"):
+        build_model(load_config(TINY, [ckpt, "model.overrides={image_chunking: router2d, chunking: fixed}"]))
