@@ -26,6 +26,15 @@ Which one ``auto`` picks, and why (measured on this project's CPU machine, torch
   has no CPU kernel), so it is not used: it could not be verified here and ``flex`` covers CUDA.
 
 Override: ``VLM_DOC_ATTENTION=loop|flex`` (environment) or ``plan_doc_attention(..., impl=...)`` forces one.
+
+Two safeguards keep ``flex`` from returning wrong numbers (issue #24, docs/flex_cpu.md):
+
+- On CPU, rows are padded with padding ids to a multiple of ``FLEX_CPU_ALIGN`` positions before the kernel runs.
+  Inductor's CPU FlexAttention kernel (torch 2.14) computes Q K^T with a micro-GEMM whose tail path, on AVX2 and
+  for head dims 8 or 16, reads and writes a whole 16-column block past a key tile whose width is 8 mod 16: every
+  logit came back NaN or wrong on AVX2-only machines. Rows of a multiple of 16 never take that path.
+- The first ``flex`` call per (device, dtype, heads, head dim) in a process checks itself against ``loop`` on
+  small packed rows (:func:`verify_flex`); a mismatch stops the run with one line naming ``VLM_DOC_ATTENTION=loop``.
 """
 
 # Shape suffixes (docs/paper.md §0): B batch rows, N positions per row (tokens, or concepts), H query heads,
@@ -35,7 +44,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +52,7 @@ import torch.nn.functional as F
 DOC_ATTENTION_IMPLS = ("loop", "flex")
 ENV_VAR = "VLM_DOC_ATTENTION"
 FLEX_MIN_LEN = 1024  # CUDA rows shorter than this use ``loop``: the compile would not pay for itself
+FLEX_CPU_ALIGN = 16  # CPU flex rows are padded to a multiple of this (the kernel's GEMM block width)
 
 
 @dataclass
@@ -52,7 +62,8 @@ class DocAttention:
     impl: str  # one of DOC_ATTENTION_IMPLS
     n: int  # positions per row
     segments: list[list[tuple[int, int, bool]]] | None = None  # loop: per row, (start, end, is_document) runs
-    block_mask: object | None = None  # flex: the BlockMask
+    block_mask: object | None = None  # flex: the BlockMask, over n + pad positions
+    pad: int = 0  # flex: padding positions appended to every row before the kernel (CPU: to FLEX_CPU_ALIGN)
 
 
 def choose_impl(doc_BN: torch.Tensor, impl: str | None = None) -> str:
@@ -77,7 +88,8 @@ def plan_doc_attention(doc_BN: torch.Tensor, impl: str | None = None) -> DocAtte
     chosen = choose_impl(doc_BN, impl)
     n = doc_BN.shape[1]
     if chosen == "flex":
-        return DocAttention("flex", n, block_mask=_block_mask(doc_BN))
+        pad = -n % FLEX_CPU_ALIGN if doc_BN.device.type == "cpu" else 0
+        return DocAttention("flex", n, block_mask=_block_mask(F.pad(doc_BN, (0, pad), value=-1)), pad=pad)
     return DocAttention("loop", n, segments=_segments(doc_BN))
 
 
@@ -87,7 +99,8 @@ def doc_attention(q_BHNK: torch.Tensor, k_BGNK: torch.Tensor, v_BGNK: torch.Tens
         raise ValueError(f"doc attention planned for {plan.n} positions, got {q_BHNK.shape[2]} queries")
     gqa = k_BGNK.shape[1] != q_BHNK.shape[1]
     if plan.impl == "flex":
-        return _compiled_flex()(q_BHNK, k_BGNK, v_BGNK, block_mask=plan.block_mask, enable_gqa=gqa)
+        verify_flex(q_BHNK.device, q_BHNK.dtype, q_BHNK.shape[1], k_BGNK.shape[1], q_BHNK.shape[3])
+        return _flex(q_BHNK, k_BGNK, v_BGNK, plan, gqa)
     return _loop(q_BHNK, k_BGNK, v_BGNK, plan.segments, gqa)
 
 
@@ -144,6 +157,55 @@ def _compiled_block_mask():
     from torch.nn.attention.flex_attention import create_block_mask
 
     return torch.compile(create_block_mask, dynamic=True)
+
+
+def _flex(q_BHNK, k_BGNK, v_BGNK, plan: DocAttention, gqa: bool) -> torch.Tensor:
+    """The compiled kernel on rows padded by ``plan.pad`` zero positions (padding ids: they attend nothing and
+    nothing attends them, so the real positions are unchanged); the padding is cut off again."""
+    if plan.pad:
+        q_BHNK, k_BGNK, v_BGNK = (F.pad(t, (0, 0, 0, plan.pad)) for t in (q_BHNK, k_BGNK, v_BGNK))
+    out_BHNK = _compiled_flex()(q_BHNK, k_BGNK, v_BGNK, block_mask=plan.block_mask, enable_gqa=gqa)
+    return out_BHNK[:, :, : plan.n] if plan.pad else out_BHNK
+
+
+class FlexAttentionError(RuntimeError):
+    """``flex`` disagrees with ``loop`` on this device: the run stops rather than train or answer on wrong numbers."""
+
+
+# Rows of the self-check: documents and padding whose lengths leave every kind of key-tile tail (8 mod 16 among
+# them) and a full 128-wide tile plus a tail, with left padding and empty concept slots, as packed rows have them.
+_CHECK_DOCS = (
+    [0] * 8,
+    [0] * 5 + [1] * 19,
+    [-1] * 3 + [0] * 13 + [1] * 20 + [2] * 4,
+    [0] * 56,
+    [0] * 90 + [1] * 60 + [-2] * 2,
+)
+
+
+@cache
+def verify_flex(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> None:
+    """Runs ``flex`` once on small packed rows against ``loop`` (cached per process and key); raises a one-line
+    :class:`FlexAttentionError` if any output is not finite or differs beyond the dtype's rounding."""
+    gen = torch.Generator().manual_seed(0)
+    gqa, worst = kv_heads != heads, 0.0
+    with torch.no_grad():
+        for docs in _CHECK_DOCS:
+            doc_BN = torch.tensor([docs], device=device)
+            q_BHNK, k_BGNK, v_BGNK = (  # std 2: scores of a few units, so a wrong softmax shows
+                (2 * torch.randn(1, h, doc_BN.shape[1], head_dim, generator=gen)).to(device, dtype)
+                for h in (heads, kv_heads, kv_heads)
+            )
+            plan = plan_doc_attention(doc_BN, "flex")
+            got = _flex(q_BHNK, k_BGNK, v_BGNK, plan, gqa).float()
+            want = _loop(q_BHNK, k_BGNK, v_BGNK, _segments(doc_BN), gqa).float()
+            worst = max(worst, (got - want).abs().max().nan_to_num(float("inf")).item())  # NaN counts as inf
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    if not worst <= tolerance:
+        raise FlexAttentionError(
+            f"doc attention 'flex' is wrong on this {device.type} ({dtype}, head dim {head_dim}: max |flex - loop| = "
+            f"{worst:.3g}); set {ENV_VAR}=loop (or auto)"
+        )
 
 
 @lru_cache(maxsize=1)

@@ -3,12 +3,26 @@
 # Shape suffixes (docs/paper.md §0): B batch rows, N positions per row, H query heads, G key/value heads,
 # K head dim, 1 a singleton axis.
 
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from vlm import ConceptMoEConfig, ConceptMoEForCausalLM
-from vlm.backbone.doc_attention import ENV_VAR, choose_impl, doc_attention, plan_doc_attention
+from vlm.backbone import doc_attention as doc_attention_module
+from vlm.backbone.doc_attention import (
+    ENV_VAR,
+    FlexAttentionError,
+    choose_impl,
+    doc_attention,
+    plan_doc_attention,
+    verify_flex,
+)
 from vlm.backbone.layers import attention_mask, make_layout
 
 MODES = [("dynamic", "sum"), ("dynamic", "last"), ("fixed", "sum"), ("fixed", "last"), ("none", "sum")]
@@ -111,6 +125,65 @@ def test_doc_attention_matches_the_dense_mask_with_gqa_and_padding(impl):
         want = torch.autograd.grad(dense_reference(*ref_in, doc_BN), ref_in, upstream)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_flex_pads_cpu_rows_to_whole_kernel_blocks():
+    """CPU rows go to the kernel padded to a multiple of 16 with padding ids, and come back at their own length."""
+    doc_BN = torch.tensor([[0] * 13 + [1] * 20 + [2] * 7])  # 40 positions: the kernel sees 48
+    with torch.no_grad():
+        plan = plan_doc_attention(doc_BN, "flex")
+        assert (plan.n, plan.pad) == (40, 8) and plan.block_mask.seq_lengths == (48, 48)
+        q_BHNK, k_BGNK, v_BGNK = torch.randn(1, 4, 40, 16), torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+        out_BHNK = doc_attention(q_BHNK, k_BGNK, v_BGNK, plan)
+    torch.testing.assert_close(out_BHNK, dense_reference(q_BHNK, k_BGNK, v_BGNK, doc_BN), rtol=1e-5, atol=1e-6)
+    assert plan_doc_attention(doc_BN[:, :32], "loop").impl == "loop"
+
+
+def test_flex_that_disagrees_with_loop_refuses_in_one_line(monkeypatch):
+    """A kernel returning NaN (what AVX2 machines got, issue #24) never reaches a caller: one-line refusal."""
+
+    def nan_kernel(q_BHNK, k_BGNK, v_BGNK, block_mask, enable_gqa):
+        return torch.full_like(q_BHNK, float("nan"))
+
+    verify_flex.cache_clear()
+    monkeypatch.setattr(doc_attention_module, "_compiled_flex", lambda: nan_kernel)
+    doc_BN = torch.zeros(1, 24, dtype=torch.long)
+    q_BHNK, k_BGNK = torch.randn(1, 4, 24, 16), torch.randn(1, 2, 24, 16)
+    try:
+        with torch.no_grad(), pytest.raises(FlexAttentionError) as refused:
+            doc_attention(q_BHNK, k_BGNK, k_BGNK, plan_doc_attention(doc_BN, "flex"))
+    finally:
+        verify_flex.cache_clear()  # later tests check the real kernel again
+    message = str(refused.value)
+    assert "\n" not in message and f"{ENV_VAR}=loop" in message and "head dim 16" in message
+
+
+AVX2 = platform.machine() in ("x86_64", "AMD64") and "avx2" in open("/proc/cpuinfo").read().split()
+
+
+@pytest.mark.skipif(not AVX2, reason="inductor's AVX2 code runs only on x86-64 CPUs with AVX2")
+def test_flex_is_right_with_avx2_code_and_the_self_check_catches_the_kernel_bug(tmp_path):
+    """Inductor's AVX2 code, generated on any x86-64 machine (AVX-512 ones too): the padded path equals loop at head
+    dim 16 (the tiny presets'); with the padding off, the self-check refuses the kernel that gave NaN logits (#24)."""
+    script = textwrap.dedent("""
+        import torch
+        import vlm.backbone.doc_attention as da
+        da.verify_flex(torch.device("cpu"), torch.float32, 4, 2, 16)  # raises if wrong
+        da.FLEX_CPU_ALIGN = 1
+        da.verify_flex.cache_clear()
+        try:
+            da.verify_flex(torch.device("cpu"), torch.float32, 4, 2, 16)
+            print("refused 0")
+        except da.FlexAttentionError:
+            print("refused 1")
+    """)
+    # a cache of its own: kernels compiled for the machine's own ISA must not serve this run, nor the reverse
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2", TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
+    env.pop(ENV_VAR, None)
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    # > 0: if torch fixes the kernel this fails, and the padding in doc_attention.py can go (docs/flex_cpu.md)
+    assert int(run.stdout.split()[-1]) > 0, run.stdout
 
 
 def test_chooser_auto_override_and_refusals(monkeypatch):
