@@ -1,6 +1,7 @@
 """Write train / eval webdataset shards from the synthetic generators or local sources (``scripts/make_shards.py``).
 
     python scripts/make_shards.py --synthetic scenes,documents,needles,text --out data/syn --num-samples 1000 --seed 0
+    python scripts/make_shards.py --synthetic scenes_chat --option max_objects=1 --option object_size=0.6,0.95 ...
     python scripts/make_shards.py --from-jsonl docs.jsonl --out data/docs --eval-fraction 0.05
     python scripts/make_shards.py --from-dir img2dataset_out/ --out data/pairs
     python scripts/make_shards.py --from-text notes/*.txt --text-unit paragraph --out data/notes --tokenizer tok/
@@ -8,9 +9,11 @@
     python scripts/make_shards.py --from-messages chats.jsonl --out data/chats
 
 Synthetic: ``--num-samples`` per kind for train and ``--eval-samples`` (default a tenth) per kind for eval, the
-kinds interleaved round-robin. Sources: one pass, each sample goes to eval when a hash of its key falls under
-``--eval-fraction`` (default 0: train only, no eval folder); ``--from-llava`` / ``--from-messages`` write
-conversations, their image paths relative to ``--image-root`` (default: the file's folder). Writes
+kinds interleaved round-robin; ``--option KEY=VALUE`` goes to the kinds whose generator takes it (a curriculum's
+easy stage: ``max_objects=1``, ``object_size=0.6,0.95``), and the manifest records the options.
+Sources: one pass, each sample goes to eval when a hash of its key falls under ``--eval-fraction`` (default 0:
+train only, no eval folder); ``--from-llava`` / ``--from-messages`` write conversations, their image paths
+relative to ``--image-root`` (default: the file's folder). Writes
 ``OUT/<split>/*.tar`` + ``manifest.json`` and prints one summary line per split.
 
 A run writes into a hidden folder beside ``OUT`` and puts it in the place of ``OUT`` only when it succeeded, so
@@ -48,10 +51,11 @@ def make_synthetic(
     seed: int,
     eval_samples: int | None = None,
     tokenizer=None,
+    generator_options: dict | None = None,
     **writer_options,
 ) -> dict[str, dict]:
     """Train and eval shards of the synthetic ``kinds`` in ``out_dir`` (replaced as a whole: ``staged_dataset``);
-    returns ``{split: manifest}``."""
+    ``generator_options`` go to the kinds that take them (``synthetic.interleave``). Returns ``{split: manifest}``."""
     unknown = sorted(set(kinds) - set(synthetic.GENERATORS))
     if unknown or not kinds:
         raise ValueError(f"synthetic kinds must be among {sorted(synthetic.GENERATORS)}, got {list(kinds)}")
@@ -64,9 +68,10 @@ def make_synthetic(
         for split, n in (("train", num_samples), ("eval", eval_samples)):
             per_kind: Counter = Counter()
             extra = {"source": "synthetic", "generator": "data_pipelines.synthetic", "kinds": list(kinds)}
-            extra.update(seed=seed, kind_samples=per_kind)  # kind_samples: filled while writing, read at close
+            extra.update(seed=seed, options=dict(generator_options or {}), kind_samples=per_kind)  # filled at close
+            samples = synthetic.interleave(kinds, n, seed, split, generator_options)
             with SplitWriter(stage, split, manifest_extra=extra, tokenizer=tokenizer, **writer_options) as writer:
-                for sample in _counted(synthetic.interleave(kinds, n, seed, split), per_kind):
+                for sample in _counted(samples, per_kind):
                     writer.write(sample)
             manifests[split] = writer.manifest
     return manifests
@@ -118,6 +123,29 @@ def _summary(split: str, manifest: dict, out_dir: str) -> str:
     )
 
 
+def parse_value(text: str) -> int | float | str | list:
+    """``1`` -> 1, ``0.5`` -> 0.5, ``0.6,0.95`` -> [0.6, 0.95]; anything else stays a string."""
+    if "," in text:
+        return [parse_value(part.strip()) for part in text.split(",")]
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_options(pairs: Sequence[str], parser: argparse.ArgumentParser) -> dict:
+    """``--option KEY=VALUE`` pairs as a dict (a malformed pair or a repeated key: a one-line usage error)."""
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip() or key.strip() in options:
+            parser.error(f"--option {pair!r}: expected KEY=VALUE, each KEY once")
+        options[key.strip()] = parse_value(value.strip())
+    return options
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = parser.add_mutually_exclusive_group(required=True)
@@ -131,6 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-samples", type=int, help="synthetic: train samples per kind")
     parser.add_argument("--eval-samples", type=int, help="synthetic: eval samples per kind (default: a tenth)")
     parser.add_argument("--seed", type=int, default=0, help="synthetic: generator seed (default 0)")
+    parser.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="synthetic: a generator option (repeatable): an int, a float, or a comma list (object_size=0.6,0.95)",
+    )
     parser.add_argument("--eval-fraction", type=float, default=0.0, help="sources: share of keys sent to eval")
     parser.add_argument("--text-unit", choices=("file", "paragraph"), default="file", help="--from-text samples")
     parser.add_argument(
@@ -151,6 +186,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.image_root is not None and not (args.from_llava or args.from_messages):
         parser.error("--image-root goes with --from-llava or --from-messages")
+    if args.option and not args.synthetic:
+        parser.error("--option goes with --synthetic (generator options)")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     tokenizer = None
     if args.tokenizer:
@@ -164,6 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.num_samples is None:
                 parser.error("--synthetic needs --num-samples")
             kinds = [k.strip() for k in args.synthetic.split(",") if k.strip()]
+            options["generator_options"] = parse_options(args.option, parser)
             manifests = make_synthetic(kinds, args.out, args.num_samples, args.seed, args.eval_samples, **options)
         else:
             stats = sources.SourceStats()

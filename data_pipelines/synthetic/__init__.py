@@ -9,12 +9,15 @@ evaluation data:
   answered exactly as the eval tasks do (``conversations``; prompts from ``data_pipelines.prompts``).
 
 Each module exposes ``generate(n, seed, split, **options) -> Iterator[Sample]``; sample ``i`` depends only on
-(kind, seed, split, i), and every sample's ``meta["kind"]`` names its generator.
+(kind, seed, split, i, options), and every sample's ``meta["kind"]`` names its generator. Options change what a
+kind draws (``scenes``: ``max_objects``, ``object_size`` for a curriculum of large, single objects; ``needles``:
+``min_units`` / ``max_units``; ...); a conversation kind takes its base kind's options.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import inspect
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from data_pipelines.schema import Sample
 from data_pipelines.synthetic import conversations, documents, needles, scenes, text
@@ -27,7 +30,14 @@ GENERATORS: dict[str, Callable[..., Iterator[Sample]]] = {
     "text": text.generate,
     **{kind: conversations.generator(kind) for kind in conversations.KINDS},
 }
-__all__ = ["GENERATORS", "SPLITS", "generate", "interleave"]
+__all__ = ["GENERATORS", "SPLITS", "generate", "interleave", "kind_options"]
+
+
+def kind_options(kind: str) -> tuple[str, ...]:
+    """The options ``kind``'s generator takes (a conversation kind: its base kind's)."""
+    base = conversations.KINDS[kind][0] if kind in conversations.KINDS else GENERATORS[kind]
+    params = inspect.signature(base).parameters.values()
+    return tuple(p.name for p in params if p.default is not inspect.Parameter.empty and p.name != "split")
 
 
 def generate(kind: str, n: int, seed: int, split: str = "train", **options) -> Iterator[Sample]:
@@ -37,12 +47,20 @@ def generate(kind: str, n: int, seed: int, split: str = "train", **options) -> I
     return GENERATORS[kind](n, seed, split, **options)
 
 
-def interleave(kinds: Sequence[str], n: int, seed: int, split: str = "train") -> Iterator[Sample]:
+def interleave(
+    kinds: Sequence[str], n: int, seed: int, split: str = "train", options: Mapping[str, object] | None = None
+) -> Iterator[Sample]:
     """``n`` samples of each kind, round-robin (scenes 0, documents 0, ..., scenes 1, ...), so every shard mixes
-    the kinds; a kind that runs out (``text`` has a finite corpus) drops out of the rotation."""
+    the kinds; a kind that runs out (``text`` has a finite corpus) drops out of the rotation. Each of ``options``
+    goes to the kinds that take it (:func:`kind_options`); one that no kind takes is a ``ValueError``."""
     if len(set(kinds)) != len(kinds):
         raise ValueError(f"kinds must not repeat, got {list(kinds)}")
-    return _round_robin([generate(kind, n, seed, split) for kind in kinds])
+    options = dict(options or {})
+    taken = {kind: {k: v for k, v in options.items() if k in kind_options(kind)} for kind in kinds}
+    if unused := sorted(set(options) - {k for per_kind in taken.values() for k in per_kind}):
+        accepted = sorted({o for kind in kinds for o in kind_options(kind)})
+        raise ValueError(f"option(s) {', '.join(unused)} taken by none of {list(kinds)}; they take {accepted}")
+    return _round_robin([generate(kind, n, seed, split, **taken[kind]) for kind in kinds])
 
 
 def _round_robin(streams: list[Iterator[Sample]]) -> Iterator[Sample]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from PIL import Image, ImageDraw
 
@@ -41,6 +41,7 @@ SIZES = {"small": (0.12, 0.18), "medium": (0.22, 0.30), "large": (0.34, 0.42)}  
 BACKGROUNDS = ((255, 255, 255), (232, 232, 232), (250, 244, 228))
 ASPECTS = (1.0, 4 / 3, 3 / 4, 16 / 9, 9 / 16, 2.0, 0.5, 3 / 2, 2 / 3)
 AREAS = (128, 160, 192, 224, 256, 320)  # sqrt of the canvas area in pixels
+MAX_OBJECT_SIZE = 0.95  # ``object_size`` bound: a shape always fits its canvas with a margin
 
 
 def _polygon(shape: str, x0: int, y0: int, s: int) -> list[tuple[float, float]]:
@@ -80,8 +81,18 @@ def position_word(cx: float, cy: float) -> str:
     return f"{v} {h}".strip() or "center"
 
 
-def render_scene(rng: random.Random, max_objects: int = 5) -> tuple[Image.Image, dict]:
-    """One canvas with 1..max_objects non-overlapping shapes, and its meta (see the module docstring)."""
+def size_word(fraction: float) -> str:
+    """The size name of a shape whose side is ``fraction`` of the canvas's short side (the nearest ``SIZES`` band)."""
+    return min(SIZES, key=lambda name: abs(fraction - sum(SIZES[name]) / 2))
+
+
+def render_scene(
+    rng: random.Random, max_objects: int = 5, object_size: tuple[float, float] | None = None
+) -> tuple[Image.Image, dict]:
+    """One canvas with 1..max_objects non-overlapping shapes, and its meta (see the module docstring).
+
+    ``object_size`` (low, high): every shape's side drawn uniformly in that fraction of the canvas's short side,
+    named by :func:`size_word`, instead of a size band of ``SIZES`` (a curriculum's large, easy objects)."""
     side, aspect = rng.choice(AREAS), rng.choice(ASPECTS)
     w, h = round(side * math.sqrt(aspect)), round(side / math.sqrt(aspect))
     background = rng.choice(BACKGROUNDS)
@@ -91,8 +102,13 @@ def render_scene(rng: random.Random, max_objects: int = 5) -> tuple[Image.Image,
     taken: list[tuple[int, int, int, int]] = []
     objects = []
     for colour, shape in pairs:
-        size_name = rng.choice(list(SIZES))
-        s = max(8, round(min(w, h) * rng.uniform(*SIZES[size_name])))
+        if object_size is None:
+            size_name = rng.choice(list(SIZES))
+            fraction = rng.uniform(*SIZES[size_name])
+        else:
+            fraction = rng.uniform(*object_size)
+            size_name = size_word(fraction)
+        s = max(8, round(min(w, h) * fraction))
         for _ in range(50):  # rejection sampling: keep a 3 px gap to every placed shape
             x0, y0 = rng.randint(0, w - s), rng.randint(0, h - s)
             if all(_apart((x0, y0, x0 + s, y0 + s), other) for other in taken):
@@ -177,13 +193,20 @@ def referring_expression(rng: random.Random, target: dict, objects: list[dict]) 
     return rng.choice(options)
 
 
-def generate(n: int, seed: int, split: str = "train", max_objects: int = 5) -> Iterator[Sample]:
-    """``n`` scene samples, deterministic from (seed, split)."""
+def generate(
+    n: int, seed: int, split: str = "train", max_objects: int = 5, object_size: Sequence[float] | None = None
+) -> Iterator[Sample]:
+    """``n`` scene samples, deterministic from (seed, split) and the options (``render_scene``'s)."""
     check_split(split)
     if not 1 <= max_objects <= 5:
         raise ValueError(f"max_objects must be in 1..5, got {max_objects}")
+    if object_size is not None:
+        size_ok = isinstance(object_size, (list, tuple)) and len(object_size) == 2
+        object_size = tuple(object_size) if size_ok else object_size
+        if not size_ok or not 0.05 <= object_size[0] <= object_size[1] <= MAX_OBJECT_SIZE:
+            raise ValueError(f"object_size must be (low, high) with 0.05 <= low <= high <= 0.95, got {object_size}")
     for i in range(n):
         rng = sample_rng("scenes", seed, split, i)
-        img, meta = render_scene(rng, max_objects)
+        img, meta = render_scene(rng, max_objects, object_size)
         segments = [Segment(image=image_bytes(img, "png"), image_ext="png"), Segment(text=caption(rng, meta))]
         yield Sample(key=sample_key("scenes", seed, split, i), segments=segments, meta=meta, qa=questions(rng, meta))

@@ -158,6 +158,22 @@ def test_cli_synthetic_end_to_end(tmp_path):
         assert path.read_bytes() == (tmp_path / "again" / path.relative_to(out)).read_bytes()
 
 
+def test_cli_generator_options_reach_the_samples_and_the_manifest(tmp_path):
+    out = tmp_path / "easy"
+    cmd = [sys.executable, "scripts/make_shards.py", "--synthetic", "scenes", "--out", str(out), "--num-samples", "6"]
+    ok = subprocess.run(cmd + ["--option", "max_objects=1", "--option", "object_size=0.6,0.9"],
+                        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    manifest, got = _read(out / "train")
+    assert manifest["options"] == {"max_objects": 1, "object_size": [0.6, 0.9]}
+    assert all(len(s.meta["objects"]) == 1 and s.meta["objects"][0]["size"] == "large" for s in got)
+    for bad, says in ((["--option", "object_size=2"], "object_size must be"), (["--option", "nope"], "KEY=VALUE"),
+                      (["--option", "min_units=3"], "min_units taken by none of")):  # fmt: skip
+        refused = subprocess.run(cmd + bad, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 2 and says in refused.stderr.splitlines()[-1], refused.stderr
+    assert manifest == _read(out / "train")[0]  # the refused runs left the earlier OUT as it was
+
+
 def test_cli_from_jsonl_with_eval_split_and_tokenizer(tmp_path, hf_tokenizer):
     path, _ = _jsonl_corpus(tmp_path)
     lines = [

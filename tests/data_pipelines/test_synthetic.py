@@ -165,3 +165,31 @@ def test_text_samples_are_the_corpus_split():
     assert sorted(evaluation) == sorted(corpus["eval"])  # all of them, once each
     train = [s.segments[0].text for s in generate("text", 20, 0, "train")]
     assert set(train) <= set(corpus["train"]) and len(set(train)) == 20
+
+
+def test_object_size_and_max_objects_draw_a_curriculum_stage():
+    """``object_size`` (fractions of the short side) and ``max_objects=1``: one large shape per scene, its box as
+    wide as drawn (a star's or triangle's mask may be a pixel short of the side), size words from the fraction."""
+    samples = list(generate("scenes", 30, 5, max_objects=1, object_size=(0.6, 0.9)))
+    for sample in samples:
+        (obj,) = sample.meta["objects"]
+        side = min(sample.meta["canvas"].values())
+        x0, y0, x1, y1 = obj["box_px"]
+        assert 0.6 * side - 2 <= max(x1 - x0, y1 - y0) <= 0.9 * side + 1, (obj, side)
+        assert obj["size"] == "large"
+    assert [s.meta for s in generate("scenes", 30, 5)] != [s.meta for s in samples]  # options change the draw
+    assert [s.meta for s in generate("scenes", 3, 5)] == [s.meta for s in generate("scenes", 3, 5, object_size=None)]
+    assert scenes.size_word(0.15) == "small" and scenes.size_word(0.26) == "medium" and scenes.size_word(0.8) == "large"
+    for bad in ((0.5,), (0.6, 0.99), (0.7, 0.6), 0.5):
+        with pytest.raises(ValueError, match="object_size"):
+            next(generate("scenes", 1, 0, object_size=bad))
+
+
+def test_interleave_routes_each_option_to_the_kinds_that_take_it():
+    got = list(interleave(["scenes_chat", "text"], 4, 0, "train", {"max_objects": 1, "object_size": [0.5, 0.6]}))
+    scenes_of = [s for s in got if s.meta["kind"] == "scenes_chat"]
+    assert len(scenes_of) == 4 and all(s.meta["task"] in ("sceneqa", "refloc") for s in scenes_of)
+    base = list(generate("scenes", 4, 0, max_objects=1, object_size=[0.5, 0.6]))
+    assert {s.meta["source"] for s in scenes_of} <= {b.key for b in base}
+    with pytest.raises(ValueError, match="max_objects taken by none of"):
+        list(interleave(["text"], 1, 0, "train", {"max_objects": 1}))

@@ -1,0 +1,197 @@
+"""Does a VLM read its image? A seeing probe: train on scene questions in one process, score held-out answers.
+
+The probe is the measuring tool behind ``docs/seeing.md`` and the convergence test that keeps the toolkit from
+silently blinding its models (``tests/vlm/training/test_probe.py``). It trains exactly as ``train_vlm.py`` does on
+the data side (``scenes_chat`` conversations from the synthetic generator, encoded by
+``data_pipelines.packing.encode_sample_tokens`` with the loss on the answer, packed into rows by ``Packer``,
+collated by ``collate_rows``), but in one process with a plain AdamW loop, so that one lever costs a few minutes.
+
+A curriculum is a list of :class:`Stage`: from step ``start`` on, training scenes are drawn with the stage's
+``max_objects`` and ``object_size`` (the generator's options, the same ``make_shards.py --option`` writes into
+shards). Scoring is on held-out scenes (the generator's ``eval`` split) of ``eval_objects`` / ``eval_size``:
+an answer is right when greedy decoding reproduces it exactly (teacher-forced argmax of every answer token and the
+closing ``<|end|>``, which is what greedy generation emits). Next to each accuracy the probe reports the chance
+level (the best constant answer on the same items: what a blind model that learned the answer prior scores) and
+eval-mode R per modality.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from PIL import Image
+
+from data_pipelines import synthetic
+from data_pipelines.chat import render
+from data_pipelines.packing import Packer, TokenEncoder, collate_rows, encode_sample_tokens
+from data_pipelines.schema import Sample
+from data_pipelines.tokenizer import load_tokenizer
+from vision_tower import ImageProcessor
+from vlm import ConceptMoEVLM, VLMProcessor
+
+
+@dataclass
+class Stage:
+    """From step ``start`` on (0-based), training scenes hold 1..``max_objects`` shapes of side ``object_size``
+    (fractions of the short side; None: the generator's small / medium / large bands)."""
+
+    start: int = 0
+    max_objects: int = 1
+    object_size: tuple[float, float] | None = None
+
+
+@dataclass
+class ProbeConfig:
+    preset: str = "tiny-moe"
+    overrides: dict = field(default_factory=dict)  # model fields (``ConceptMoEVLM.from_preset`` overrides)
+    types: tuple[str, ...] = ("colour",)  # sceneqa question types trained and scored
+    stages: list[Stage] = field(default_factory=lambda: [Stage()])
+    steps: int = 400
+    rows: int = 4  # rows per step
+    seq_len: int = 256  # several conversations per row, as training packs them
+    lr: float = 3e-3
+    warmup: int = 20
+    max_patches: int = 64
+    eval_every: int = 100
+    eval_n: int = 200
+    eval_objects: int = 1
+    eval_size: tuple[float, float] | None = None
+    seed: int = 0
+
+
+@dataclass
+class ProbeScore:
+    step: int
+    loss: float  # the last training step's
+    accuracy: dict[str, float]  # per question type
+    chance: dict[str, float]  # the best constant answer's accuracy on the same items
+    distinct: dict[str, int]  # distinct predicted answers (1: a constant answer)
+    r: dict[str, float | None]  # eval-mode R: total, text, image
+    seconds: float
+
+
+def scene_questions(cfg: ProbeConfig, split: str, max_objects: int, object_size, seed: int) -> Iterator[Sample]:
+    """``scenes_chat`` conversations of ``cfg.types`` (an endless stream, deterministic from the arguments)."""
+    options = {"max_objects": max_objects, "object_size": object_size}
+    chunk = 0
+    while True:  # a stream of 1000-scene blocks, each from its own seed, so it never ends
+        for sample in synthetic.generate("scenes_chat", 1000, seed * 7919 + chunk, split, **options):
+            if sample.meta["task"] == "sceneqa" and sample.meta["type"] in cfg.types:
+                yield sample
+        chunk += 1
+
+
+class SeeingProbe:
+    def __init__(self, cfg: ProbeConfig):
+        self.cfg = cfg
+        tokenizer = load_tokenizer()
+        self.processor = VLMProcessor(tokenizer, ImageProcessor(max_patches=cfg.max_patches))
+        self.encoder = TokenEncoder(tokenizer)
+        torch.manual_seed(cfg.seed)
+        self.model = ConceptMoEVLM.from_preset(
+            cfg.preset,
+            image_token_id=self.processor.image_token_id,
+            vocab_size=len(tokenizer),
+            max_patches=cfg.max_patches,
+            **{**self.processor.special_token_ids, **cfg.overrides},
+        )
+        eval_stream = scene_questions(cfg, "eval", cfg.eval_objects, cfg.eval_size, cfg.seed)
+        self.eval_items = [next(eval_stream) for _ in range(cfg.eval_n)]
+
+    def batches(self) -> Iterator[tuple[int, dict]]:
+        """(stage index, collated batch) per step: rows packed from the current stage's stream."""
+        cfg, image_processor = self.cfg, self.processor.image_processor
+        streams: dict[int, Iterator[Sample]] = {}
+        packer = Packer(cfg.seq_len)
+        for step in range(cfg.steps):
+            stage = max(i for i, s in enumerate(cfg.stages) if s.start <= step)
+            if stage not in streams:
+                s = cfg.stages[stage]
+                streams[stage] = scene_questions(cfg, "train", s.max_objects, s.object_size, cfg.seed + stage)
+            rows = []
+            while len(rows) < cfg.rows:
+                doc = encode_sample_tokens(next(streams[stage]), self.encoder, image_processor,
+                                           self.processor.image_token_id)  # fmt: skip
+                rows += list(packer.add(doc))
+            yield stage, collate_rows(rows[: cfg.rows], cfg.seq_len, self.processor.pad_token_id, image_processor)
+
+    @torch.no_grad()
+    def score(self, step: int, loss: float, started: float) -> ProbeScore:
+        """Greedy exact match on the held-out items, per question type, with chance and eval-mode R."""
+        self.model.eval()
+        right, answers, truths = Counter(), {}, {}
+        tokens, concepts = Counter(), Counter()
+        for i in range(0, len(self.eval_items), 32):
+            items = self.eval_items[i : i + 32]
+            texts = [render(s.turns) for s in items]  # the conversation with its answer, as the chat template has it
+            images = [[_pil(seg.image) for t in s.turns for seg in t.segments if seg.image is not None] for s in items]
+            batch = self.processor(text=texts, images=images)
+            answer_len = [len(self.encoder.text_ids(s.qa[0]["a"])) + 1 for s in items]  # + <|end|>
+            out = self.model(**batch)
+            stats = out.chunk_stats
+            tokens.update({k: v for k, v in stats["tokens_by_modality"].items()})
+            concepts.update({k: v for k, v in stats["concepts_by_modality"].items()})
+            predicted = out.logits[:, :-1].argmax(-1)
+            for r, sample in enumerate(items):
+                end = int(batch["attention_mask"][r].sum())
+                want = batch["input_ids"][r, end - answer_len[r] : end]
+                got = predicted[r, end - answer_len[r] - 1 : end - 1]
+                kind = sample.meta["type"]
+                right[kind] += bool((got == want).all())
+                answers.setdefault(kind, Counter())[tuple(got.tolist())] += 1
+                truths.setdefault(kind, Counter())[sample.qa[0]["a"]] += 1
+        self.model.train()
+        total = {k: sum(c.values()) for k, c in truths.items()}
+        return ProbeScore(
+            step=step,
+            loss=round(loss, 4),
+            accuracy={k: round(right[k] / total[k], 3) for k in sorted(total)},
+            chance={k: round(max(truths[k].values()) / total[k], 3) for k in sorted(total)},
+            distinct={k: len(answers[k]) for k in sorted(total)},
+            r={
+                "total": _ratio(sum(tokens.values()), sum(concepts.values())),
+                "text": _ratio(tokens[0], concepts[0]),
+                "image": _ratio(tokens[1], concepts[1]),
+            },
+            seconds=round(time.time() - started, 1),
+        )
+
+    def run(self, report: Callable[[ProbeScore], None] = lambda score: None) -> list[ProbeScore]:
+        """Trains ``cfg.steps`` steps (AdamW, linear warmup, cosine to 10%, grad clip 1), scoring every
+        ``eval_every`` steps and at the end; returns the scores (each also passed to ``report``)."""
+        cfg, model = self.cfg, self.model
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        model.train()
+        scores, started = [], time.time()
+        for step, (_, batch) in enumerate(self.batches(), start=1):
+            loss = model(**batch).loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            for group in optimizer.param_groups:
+                group["lr"] = cfg.lr * _schedule(step - 1, cfg.steps, cfg.warmup)
+            optimizer.step()
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                scores.append(self.score(step, loss.item(), started))
+                report(scores[-1])
+        return scores
+
+
+def _schedule(step: int, steps: int, warmup: int) -> float:
+    """Linear warmup over ``warmup`` steps, then cosine from 1 to 0.1 at ``steps``."""
+    return min(1.0, (step + 1) / max(1, warmup)) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, step / steps))))
+
+
+def _ratio(tokens: int, concepts: int) -> float | None:
+    return round(tokens / concepts, 3) if concepts else None
+
+
+def _pil(data: bytes) -> Image.Image:
+    return Image.open(io.BytesIO(data)).convert("RGB")
