@@ -32,4 +32,3 @@ def test_a_tiny_vlm_reads_a_small_objects_colour_after_a_size_curriculum():
     assert score.chance["colour"] < 0.25 and score.distinct["colour"] > 3, score  # 8 colours, none dominant
     assert binomial_tail(right, n, score.chance["colour"]) < 1e-4, score
     assert score.r["image"] == 1.0 and score.r["text"] == 1.0  # tiny-moe: no chunking, every token its own concept
-
