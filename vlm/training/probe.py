@@ -33,7 +33,7 @@ from data_pipelines.packing import Packer, TokenEncoder, collate_rows, encode_sa
 from data_pipelines.schema import Sample
 from data_pipelines.tokenizer import load_tokenizer
 from vision_tower import ImageProcessor
-from vlm import ConceptMoEVLM, VLMProcessor
+from vlm import ConceptMoEVLM, ConceptMoEVLMConfig, VLMProcessor
 
 
 @dataclass
@@ -87,11 +87,30 @@ def scene_questions(cfg: ProbeConfig, split: str, max_objects: int, object_size,
         chunk += 1
 
 
+QUESTION_TYPES = ("colour", "shape", "position", "count")
+
+
+def check_config(cfg: ProbeConfig) -> None:
+    """One-line ``ValueError`` for a probe that could not run: unknown question types, stages out of order or not
+    starting at step 0, or generator options the scenes generator refuses."""
+    if not cfg.types or set(cfg.types) - set(QUESTION_TYPES):
+        raise ValueError(f"types must be among {QUESTION_TYPES}, got {cfg.types}")
+    starts = [s.start for s in cfg.stages]
+    if not starts or starts[0] != 0 or starts != sorted(set(starts)):
+        raise ValueError(f"stages must start at step 0, in increasing order, got starts {starts}")
+    for s in [*cfg.stages, Stage(0, cfg.eval_objects, cfg.eval_size)]:
+        next(synthetic.generate("scenes", 1, 0, max_objects=s.max_objects, object_size=s.object_size))
+    if min(cfg.steps, cfg.rows, cfg.eval_every, cfg.eval_n) < 1:
+        raise ValueError("steps, rows, eval_every and eval_n must be >= 1")
+
+
 class SeeingProbe:
     def __init__(self, cfg: ProbeConfig):
+        check_config(cfg)
         self.cfg = cfg
         tokenizer = load_tokenizer()
-        self.processor = VLMProcessor(tokenizer, ImageProcessor(max_patches=cfg.max_patches))
+        shuffle = cfg.overrides.get("pixel_shuffle", ConceptMoEVLMConfig.from_preset(cfg.preset).pixel_shuffle)
+        self.processor = VLMProcessor(tokenizer, ImageProcessor(max_patches=cfg.max_patches, pixel_shuffle=shuffle))
         self.encoder = TokenEncoder(tokenizer)
         torch.manual_seed(cfg.seed)
         self.model = ConceptMoEVLM.from_preset(

@@ -4,7 +4,11 @@ This is the convergence test that keeps a later change from silently blinding th
 every model the toolkit trained before it answered one constant per question type.
 """
 
+import importlib.util
 import math
+from pathlib import Path
+
+import pytest
 
 from vlm.training.probe import ProbeConfig, SeeingProbe, Stage
 
@@ -32,3 +36,27 @@ def test_a_tiny_vlm_reads_a_small_objects_colour_after_a_size_curriculum():
     assert score.chance["colour"] < 0.25 and score.distinct["colour"] > 3, score  # 8 colours, none dominant
     assert binomial_tail(right, n, score.chance["colour"]) < 1e-4, score
     assert score.r["image"] == 1.0 and score.r["text"] == 1.0  # tiny-moe: no chunking, every token its own concept
+
+
+def test_probe_cli_refuses_bad_settings_in_one_line(capsys):
+    """A probe that could not run (unknown type, a stage not at step 0 or out of order, sizes the generator refuses)
+    stops before building anything, with one line."""
+    path = Path(__file__).resolve().parents[3] / "scripts" / "probe_seeing.py"
+    spec = importlib.util.spec_from_file_location("probe_seeing", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    for argv, says in (
+        (["--types", "color"], "types must be among"),
+        (["--stage", "5:1"], "first --stage must start at step 0"),
+        (["--stage", "0:1", "--stage", "0:2"], "increasing order"),
+        (["--stage", "0:9"], "max_objects must be in 1..5"),
+        (["--stage", "0:1:0.5"], "expected START:MAX_OBJECTS[:LOW-HIGH]"),
+        (["--stage", "0:1:0.9-0.99"], "object_size must be"),
+        (["--set", "pixel_shuffle"], "expected FIELD=JSON"),
+    ):
+        with pytest.raises(SystemExit) as stopped:
+            script.main(argv)
+        assert stopped.value.code == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert says in err[-1], (argv, err[-1])

@@ -1,0 +1,97 @@
+"""Does the model read its image? Train a tiny VLM on scene questions in one process and score held-out answers.
+
+    python scripts/probe_seeing.py --types colour --stage 0:1:0.6-0.95 --stage 60:1:0.3-0.6 --steps 120
+    python scripts/probe_seeing.py --types colour,shape,position --stage 0:1:0.6-0.95 --stage 150:1:0.3-0.6 \\
+        --stage 300:1 --steps 600 --out runs/probe/csp.jsonl
+
+``--stage START:MAX_OBJECTS[:LOW-HIGH]`` is one curriculum stage (from step START on, scenes of 1..MAX_OBJECTS
+shapes whose side is LOW..HIGH of the canvas's short side; no range: the generator's own sizes). Prints one JSON
+line per evaluation (accuracy and chance per question type, eval-mode R per modality) and, with ``--out``, appends
+them there. The rows of docs/seeing.md come from this command; the logic is ``vlm.training.probe``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from vlm.training.probe import ProbeConfig, SeeingProbe, Stage
+
+
+def parse_stage(text: str) -> Stage:
+    parts = text.split(":")
+    try:
+        if len(parts) not in (2, 3):
+            raise ValueError
+        size = None if len(parts) == 2 else tuple(float(v) for v in parts[2].split("-"))
+        if size is not None and len(size) != 2:
+            raise ValueError
+        return Stage(int(parts[0]), int(parts[1]), size)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--stage {text!r}: expected START:MAX_OBJECTS[:LOW-HIGH]") from None
+
+
+def parse_size(text: str) -> tuple[float, float]:
+    low, sep, high = text.partition("-")
+    try:
+        return float(low), float(high)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected LOW-HIGH, e.g. 0.12-0.42") from None
+
+
+def main(argv=None) -> int:
+    defaults = ProbeConfig()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default=defaults.preset, help="tiny-moe (no chunking) or tiny (ConceptMoE)")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=JSON", help="a model override")
+    parser.add_argument("--types", default="colour", help="question types: colour,shape,position,count")
+    parser.add_argument("--stage", action="append", type=parse_stage, help="a curriculum stage (repeatable)")
+    for name in ("steps", "rows", "seq_len", "warmup", "max_patches", "eval_every", "eval_n", "eval_objects", "seed"):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
+    parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.add_argument("--eval-size", type=parse_size, help="held-out shapes' side LOW-HIGH (default: generator's)")
+    parser.add_argument("--out", type=Path, help="append the JSON lines to this file")
+    args = parser.parse_args(argv)
+    overrides = {}
+    for item in args.set:
+        field, sep, value = item.partition("=")
+        try:
+            overrides[field] = json.loads(value) if sep else None
+        except json.JSONDecodeError:
+            parser.error(f'--set {item!r}: the value must be JSON (true, 2, 0.5, "text")')
+        if not sep:
+            parser.error(f"--set {item!r}: expected FIELD=JSON")
+    stages = args.stage or [Stage()]
+    if stages[0].start != 0:
+        parser.error("the first --stage must start at step 0")
+    cfg = ProbeConfig(
+        preset=args.preset,
+        overrides=overrides,
+        types=tuple(t.strip() for t in args.types.split(",") if t.strip()),
+        stages=stages,
+        **{k: getattr(args, k) for k in ("steps", "rows", "seq_len", "warmup", "max_patches", "lr", "seed")},
+        **{k: getattr(args, k) for k in ("eval_every", "eval_n", "eval_objects", "eval_size")},
+    )
+    try:
+        probe = SeeingProbe(cfg)
+    except ValueError as err:
+        parser.error(str(err))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def report(score) -> None:
+        line = json.dumps({"config": asdict(cfg), **asdict(score)} if args.out else asdict(score))
+        print(json.dumps(asdict(score)), flush=True)
+        if args.out:
+            with args.out.open("a") as f:
+                f.write(line + "\n")
+
+    probe.run(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
