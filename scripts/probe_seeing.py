@@ -52,6 +52,7 @@ def main(argv=None) -> int:
     for name in ("steps", "rows", "seq_len", "warmup", "max_patches", "eval_every", "eval_n", "eval_objects", "seed"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.add_argument("--caption-share", type=float, default=0.0, help="share of captioned scenes in training")
     parser.add_argument("--eval-size", type=parse_size, help="held-out shapes' side LOW-HIGH (default: generator's)")
     parser.add_argument("--out", type=Path, help="append the JSON lines to this file")
     args = parser.parse_args(argv)
@@ -73,6 +74,7 @@ def main(argv=None) -> int:
         types=tuple(t.strip() for t in args.types.split(",") if t.strip()),
         stages=stages,
         **{k: getattr(args, k) for k in ("steps", "rows", "seq_len", "warmup", "max_patches", "lr", "seed")},
+        caption_share=args.caption_share,
         **{k: getattr(args, k) for k in ("eval_every", "eval_n", "eval_objects", "eval_size")},
     )
     try:

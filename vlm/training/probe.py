@@ -63,6 +63,7 @@ class ProbeConfig:
     eval_objects: int = 1
     eval_size: tuple[float, float] | None = None
     seed: int = 0
+    caption_share: float = 0.0  # share of training samples that are captioned scenes (loss on the whole caption)
 
 
 @dataclass
@@ -78,13 +79,27 @@ class ProbeScore:
 
 def scene_questions(cfg: ProbeConfig, split: str, max_objects: int, object_size, seed: int) -> Iterator[Sample]:
     """``scenes_chat`` conversations of ``cfg.types`` (an endless stream, deterministic from the arguments)."""
-    options = {"max_objects": max_objects, "object_size": object_size}
-    chunk = 0
-    while True:  # a stream of 1000-scene blocks, each from its own seed, so it never ends
-        for sample in synthetic.generate("scenes_chat", 1000, seed * 7919 + chunk, split, **options):
-            if sample.meta["task"] == "sceneqa" and sample.meta["type"] in cfg.types:
-                yield sample
-        chunk += 1
+    for sample in _endless("scenes_chat", split, seed, max_objects=max_objects, object_size=object_size):
+        if sample.meta["task"] == "sceneqa" and sample.meta["type"] in cfg.types:
+            yield sample
+
+
+def training_samples(cfg: ProbeConfig, stage: Stage, seed: int) -> Iterator[Sample]:
+    """A stage's training stream: its questions, and with ``cfg.caption_share`` its captioned scenes (every object
+    named with its size, colour, shape and place: a dense signal beside one answer token)."""
+    questions = scene_questions(cfg, "train", stage.max_objects, stage.object_size, seed)
+    captions = _endless("scenes", "train", seed + 1, max_objects=stage.max_objects, object_size=stage.object_size)
+    draw = torch.Generator().manual_seed(seed)
+    while True:
+        yield next(captions) if torch.rand((), generator=draw) < cfg.caption_share else next(questions)
+
+
+def _endless(kind: str, split: str, seed: int, **options) -> Iterator[Sample]:
+    """``kind``'s samples in blocks of 1000, each block from its own seed, so the stream never ends."""
+    block = 0
+    while True:
+        yield from synthetic.generate(kind, 1000, seed * 7919 + block, split, **options)
+        block += 1
 
 
 QUESTION_TYPES = ("colour", "shape", "position", "count")
@@ -100,6 +115,8 @@ def check_config(cfg: ProbeConfig) -> None:
         raise ValueError(f"stages must start at step 0, in increasing order, got starts {starts}")
     for s in [*cfg.stages, Stage(0, cfg.eval_objects, cfg.eval_size)]:
         next(synthetic.generate("scenes", 1, 0, max_objects=s.max_objects, object_size=s.object_size))
+    if not 0.0 <= cfg.caption_share < 1.0:
+        raise ValueError(f"caption_share must be in [0, 1), got {cfg.caption_share}")
     if min(cfg.steps, cfg.rows, cfg.eval_every, cfg.eval_n) < 1:
         raise ValueError("steps, rows, eval_every and eval_n must be >= 1")
 
@@ -131,8 +148,7 @@ class SeeingProbe:
         for step in range(cfg.steps):
             stage = max(i for i, s in enumerate(cfg.stages) if s.start <= step)
             if stage not in streams:
-                s = cfg.stages[stage]
-                streams[stage] = scene_questions(cfg, "train", s.max_objects, s.object_size, cfg.seed + stage)
+                streams[stage] = training_samples(cfg, cfg.stages[stage], cfg.seed + stage)
             rows = []
             while len(rows) < cfg.rows:
                 doc = encode_sample_tokens(next(streams[stage]), self.encoder, image_processor,
