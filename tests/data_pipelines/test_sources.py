@@ -3,6 +3,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import webdataset
 from PIL import Image
 
@@ -158,19 +159,19 @@ def test_cli_synthetic_end_to_end(tmp_path):
         assert path.read_bytes() == (tmp_path / "again" / path.relative_to(out)).read_bytes()
 
 
-def test_cli_generator_options_reach_the_samples_and_the_manifest(tmp_path):
+def test_cli_generator_options_reach_the_samples_and_the_manifest(tmp_path, capsys):
     out = tmp_path / "easy"
-    cmd = [sys.executable, "scripts/make_shards.py", "--synthetic", "scenes", "--out", str(out), "--num-samples", "6"]
-    ok = subprocess.run(cmd + ["--option", "max_objects=1", "--option", "object_size=0.6,0.9"],
-                        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert ok.returncode == 0, ok.stderr
+    argv = ["--synthetic", "scenes", "--out", str(out), "--num-samples", "6"]
+    assert main(argv + ["--option", "max_objects=1", "--option", "object_size=0.6,0.9"]) == 0
     manifest, got = _read(out / "train")
     assert manifest["options"] == {"max_objects": 1, "object_size": [0.6, 0.9]}
     assert all(len(s.meta["objects"]) == 1 and s.meta["objects"][0]["size"] == "large" for s in got)
+    capsys.readouterr()
     for bad, says in ((["--option", "object_size=2"], "object_size must be"), (["--option", "nope"], "KEY=VALUE"),
                       (["--option", "min_units=3"], "min_units taken by none of")):  # fmt: skip
-        refused = subprocess.run(cmd + bad, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
-        assert refused.returncode == 2 and says in refused.stderr.splitlines()[-1], refused.stderr
+        with pytest.raises(SystemExit) as refused:
+            main(argv + bad)
+        assert refused.value.code == 2 and says in capsys.readouterr().err.splitlines()[-1], bad
     assert manifest == _read(out / "train")[0]  # the refused runs left the earlier OUT as it was
 
 
