@@ -34,7 +34,8 @@ LINT := $(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/lint-impor
 test: venv
 	$(LINT) && $(BIN)/python -m pytest -q tests
 
-# The main job, end to end on CPU, as LLaVA trains: synthetic shards -> stage 1 (projector only, captions) ->
+# The main job, end to end on CPU: synthetic shards -> stage 1 (everything trains on questions about one large object:
+# learn to look, docs/seeing.md) ->
 # stage 2 (everything, conversations in the eval tasks' language + captions + text; loss on the answers) with
 # 2-process DeepSpeed -> HF exports -> per-modality R report -> lmms-eval on the four local tasks through the
 # conceptmoe plugin (chat template) -> per-task R report -> score table (score, chance, R per modality) -> the
@@ -53,8 +54,8 @@ MASTER_PORT ?= 29500
 DS := $(BIN)/deepspeed --num_gpus 2 --master_port $(MASTER_PORT) scripts/train_vlm.py \
 	--deepspeed scripts/configs/zero2.json
 demo: venv
-	test -f $(DEMO_DATA)/captions/train/manifest.json || $(BIN)/python scripts/make_shards.py \
-		--synthetic scenes --out $(DEMO_DATA)/captions --num-samples 600 --seed 0
+	test -f $(DEMO_DATA)/see/train/manifest.json || $(BIN)/python scripts/make_shards.py --synthetic scenes_chat \
+		--option max_objects=1 --option object_size=0.45,0.95 --out $(DEMO_DATA)/see --num-samples 8000 --seed 0
 	test -f $(DEMO_DATA)/instruct/train/manifest.json || $(BIN)/python scripts/make_shards.py \
 		--synthetic scenes_chat,documents_chat,needles_chat,scenes,text --out $(DEMO_DATA)/instruct \
 		--num-samples $(INSTRUCT_SAMPLES) --seed 0
