@@ -72,7 +72,7 @@ demo: venv
 	$(BIN)/python scripts/score_table.py $(DEMO_RUN)/eval --tasks-dir $(EVAL_DIR)
 	$(BIN)/python scripts/show_concepts.py --model $(DEMO_RUN)/stage2/hf --shards '$(DEMO_DATA)/instruct/eval/*.tar' \
 		--index 0 --out $(DEMO_RUN)/concepts.png --html
-	@echo "shards:        $(DEMO_DATA)/{captions,instruct}/{train,eval} (manifest.json in each)"
+	@echo "shards:        $(DEMO_DATA)/{see,instruct}/{train,eval} (manifest.json in each)"
 	@echo "metrics:       $(DEMO_RUN)/stage{1,2}/metrics.jsonl (TensorBoard: tb/ beside them)"
 	@echo "HF exports:    $(DEMO_RUN)/stage{1,2}/hf (AutoProcessor / AutoModelForImageTextToText, pipeline)"
 	@echo "R report:      $(DEMO_RUN)/stage2/r_report.json, .png"
