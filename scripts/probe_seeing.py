@@ -59,12 +59,12 @@ def main(argv=None) -> int:
     overrides = {}
     for item in args.set:
         field, sep, value = item.partition("=")
-        try:
-            overrides[field] = json.loads(value) if sep else None
-        except json.JSONDecodeError:
-            parser.error(f'--set {item!r}: the value must be JSON (true, 2, 0.5, "text")')
         if not sep:
             parser.error(f"--set {item!r}: expected FIELD=JSON")
+        try:
+            overrides[field] = json.loads(value)
+        except json.JSONDecodeError:
+            parser.error(f'--set {item!r}: the value must be JSON (true, 2, 0.5, "text")')
     stages = args.stage or [Stage()]
     if stages[0].start != 0:
         parser.error("the first --stage must start at step 0")
@@ -91,7 +91,10 @@ def main(argv=None) -> int:
             with args.out.open("a") as f:
                 f.write(line + "\n")
 
-    probe.run(report)
+    try:
+        probe.run(report)
+    except ValueError as err:  # e.g. rows too short for the conversations: one line, not a traceback
+        parser.error(str(err))
     return 0
 
 

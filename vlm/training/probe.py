@@ -30,7 +30,7 @@ from PIL import Image
 from data_pipelines import synthetic
 from data_pipelines.chat import render
 from data_pipelines.packing import Packer, TokenEncoder, collate_rows, encode_sample_tokens
-from data_pipelines.schema import Sample
+from data_pipelines.schema import Sample, SkipSample
 from data_pipelines.tokenizer import load_tokenizer
 from vision_tower import ImageProcessor
 from vlm import ConceptMoEVLM, ConceptMoEVLMConfig, VLMProcessor
@@ -75,6 +75,7 @@ class ProbeScore:
     distinct: dict[str, int]  # distinct predicted answers (1: a constant answer)
     r: dict[str, float | None]  # eval-mode R: total, text, image
     seconds: float
+    skipped: dict[str, int] = field(default_factory=dict)  # training samples skipped so far, by kind
 
 
 def scene_questions(cfg: ProbeConfig, split: str, max_objects: int, object_size, seed: int) -> Iterator[Sample]:
@@ -137,6 +138,7 @@ class SeeingProbe:
             max_patches=cfg.max_patches,
             **{**self.processor.special_token_ids, **cfg.overrides},
         )
+        self.skipped: Counter = Counter()  # training samples skipped, by kind (too_long: longer than seq_len)
         eval_stream = scene_questions(cfg, "eval", cfg.eval_objects, cfg.eval_size, cfg.seed)
         self.eval_items = [next(eval_stream) for _ in range(cfg.eval_n)]
 
@@ -149,12 +151,19 @@ class SeeingProbe:
             stage = max(i for i, s in enumerate(cfg.stages) if s.start <= step)
             if stage not in streams:
                 streams[stage] = training_samples(cfg, cfg.stages[stage], cfg.seed + stage)
-            rows = []
-            while len(rows) < cfg.rows:
-                doc = encode_sample_tokens(next(streams[stage]), self.encoder, image_processor,
-                                           self.processor.image_token_id)  # fmt: skip
-                rows += list(packer.add(doc))
-            yield stage, collate_rows(rows[: cfg.rows], cfg.seq_len, self.processor.pad_token_id, image_processor)
+            rows, skipped_in_a_row = [], 0
+            while len(rows) < cfg.rows:  # without split_documents a document closes at most one row
+                try:
+                    doc = encode_sample_tokens(next(streams[stage]), self.encoder, image_processor,
+                                               self.processor.image_token_id)  # fmt: skip
+                    rows += packer.add(doc)
+                    skipped_in_a_row = 0
+                except SkipSample as skip:  # counted, as the training loader counts its skips
+                    self.skipped[skip.kind] += 1
+                    skipped_in_a_row += 1
+                    if skipped_in_a_row == 100:
+                        raise ValueError(f"100 samples in a row skipped ({skip}): raise seq_len") from None
+            yield stage, collate_rows(rows, cfg.seq_len, self.processor.pad_token_id, image_processor)
 
     @torch.no_grad()
     def score(self, step: int, loss: float, started: float) -> ProbeScore:
@@ -170,8 +179,8 @@ class SeeingProbe:
             answer_len = [len(self.encoder.text_ids(s.qa[0]["a"])) + 1 for s in items]  # + <|end|>
             out = self.model(**batch)
             stats = out.chunk_stats
-            tokens.update({k: v for k, v in stats["tokens_by_modality"].items()})
-            concepts.update({k: v for k, v in stats["concepts_by_modality"].items()})
+            tokens.update(stats["tokens_by_modality"])
+            concepts.update(stats["concepts_by_modality"])
             predicted = out.logits[:, :-1].argmax(-1)
             for r, sample in enumerate(items):
                 end = int(batch["attention_mask"][r].sum())
@@ -195,6 +204,7 @@ class SeeingProbe:
                 "image": _ratio(tokens[1], concepts[1]),
             },
             seconds=round(time.time() - started, 1),
+            skipped=dict(self.skipped),
         )
 
     def run(self, report: Callable[[ProbeScore], None] = lambda score: None) -> list[ProbeScore]:

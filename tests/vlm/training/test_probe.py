@@ -39,8 +39,8 @@ def test_a_tiny_vlm_reads_a_small_objects_colour_after_a_size_curriculum():
 
 
 def test_probe_cli_refuses_bad_settings_in_one_line(capsys):
-    """A probe that could not run (unknown type, a stage not at step 0 or out of order, sizes the generator refuses)
-    stops before building anything, with one line."""
+    """A probe that could not run (unknown type, a stage not at step 0 or out of order, sizes the generator refuses,
+    rows too short for any conversation) stops with one line."""
     path = Path(__file__).resolve().parents[3] / "scripts" / "probe_seeing.py"
     spec = importlib.util.spec_from_file_location("probe_seeing", path)
     script = importlib.util.module_from_spec(spec)
@@ -54,6 +54,7 @@ def test_probe_cli_refuses_bad_settings_in_one_line(capsys):
         (["--stage", "0:1:0.5"], "expected START:MAX_OBJECTS[:LOW-HIGH]"),
         (["--stage", "0:1:0.9-0.99"], "object_size must be"),
         (["--set", "pixel_shuffle"], "expected FIELD=JSON"),
+        (["--seq-len", "32", "--steps", "1", "--eval-n", "1"], "skipped (too_long"),  # counted, then refused
     ):
         with pytest.raises(SystemExit) as stopped:
             script.main(argv)
