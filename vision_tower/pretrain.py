@@ -1,0 +1,130 @@
+"""Contrastive pretraining of the vision tower on image-caption pairs: SigLIP's sigmoid loss.
+
+Real VLMs start from a contrastively pretrained tower (LLaVA and nanoVLM from CLIP / SigLIP). This toolkit's towers
+start from random weights, and a VLM trained from one learns to read only what its one answer token per sample
+teaches the tower (``docs/seeing.md``). This module gives the tower a direct signal first: every image of a batch
+is scored against every caption of the batch, and the tower learns whatever tells its image's caption from the
+others (a shape, a colour, a position, a count), at any image budget the VLM will use.
+
+- :class:`CaptionEncoder`: a small transformer over caption token ids, mean-pooled (the text side; thrown away
+  after pretraining).
+- :class:`AttentionPool`: SigLIP's multihead attention pooling ("MAP") head over the tower's valid patches; it
+  reads the per-patch features the VLM's projector will read, so the features that matter must be in the patches.
+- :func:`sigmoid_contrastive_loss`: SigLIP's loss (Zhai et al. 2023, "Sigmoid Loss for Language Image
+  Pre-Training", arXiv 2303.15343, Algorithm 1).
+- :class:`ContrastivePretrainer`: tower + pool + caption encoder + the loss's learned temperature and bias.
+
+``scripts/pretrain_vision.py`` trains it on webdataset image-caption shards and writes the tower's timm state dict
+as ``.safetensors``, which ``ConceptMoEVLMConfig(vision_weights=...)`` loads.
+"""
+
+# Shape suffixes: B images (= captions) of a batch, L patches, D tower width, T caption tokens, E embedding width.
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vision_tower.tower import VisionTower
+
+
+def sigmoid_contrastive_loss(
+    image_BE: torch.Tensor, text_BE: torch.Tensor, log_scale: torch.Tensor, bias: torch.Tensor
+) -> torch.Tensor:
+    """SigLIP's loss (arXiv 2303.15343, Algorithm 1): every (image i, caption j) pair is a binary problem,
+    positive on the diagonal, ``-1/B * sum_ij log sigmoid(z_ij * (t * x_i . y_j + b))`` with ``z_ij`` = +1 if
+    i = j else -1, ``t = exp(log_scale)``, embeddings L2-normalised here."""
+    x_BE, y_BE = F.normalize(image_BE, dim=-1), F.normalize(text_BE, dim=-1)
+    logits_BB = log_scale.exp() * x_BE @ y_BE.T + bias
+    z_BB = 2 * torch.eye(len(logits_BB), device=logits_BB.device, dtype=logits_BB.dtype) - 1
+    return -F.logsigmoid(z_BB * logits_BB).sum() / len(logits_BB)
+
+
+class AttentionPool(nn.Module):
+    """SigLIP's MAP head: one learned query attends over the valid patches, then a residual MLP and a projection."""
+
+    def __init__(self, dim: int, heads: int, out_dim: int):
+        super().__init__()
+        self.query_1D = nn.Parameter(torch.randn(1, dim) * dim**-0.5)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.norm = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.proj = nn.Linear(dim, out_dim)
+
+    def forward(self, features_BLD: torch.Tensor, valid_BL: torch.Tensor) -> torch.Tensor:
+        query_B1D = self.query_1D.expand(len(features_BLD), 1, -1)
+        pooled_B1D, _ = self.attn(query_B1D, features_BLD, features_BLD, key_padding_mask=~valid_BL)
+        pooled_BD = pooled_B1D[:, 0]
+        return self.proj(pooled_BD + self.mlp(self.norm(pooled_BD)))
+
+
+class CaptionEncoder(nn.Module):
+    """Token ids -> one caption embedding: learned positions, a pre-norm transformer, a mean over real tokens."""
+
+    def __init__(self, vocab_size: int, dim: int, depth: int, heads: int, max_len: int, out_dim: int):
+        super().__init__()
+        self.max_len = max_len
+        self.embed = nn.Embedding(vocab_size, dim)
+        self.pos_TD = nn.Parameter(torch.randn(max_len, dim) * 0.02)
+        layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(dim)
+        self.proj = nn.Linear(dim, out_dim)
+
+    def forward(self, ids_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+        if ids_BT.shape[1] > self.max_len:
+            raise ValueError(f"CaptionEncoder: captions of {ids_BT.shape[1]} tokens exceed max_len {self.max_len}")
+        h_BTD = self.embed(ids_BT) + self.pos_TD[: ids_BT.shape[1]]
+        h_BTD = self.norm(self.blocks(h_BTD, src_key_padding_mask=~mask_BT))
+        weights_BT1 = mask_BT[..., None].to(h_BTD.dtype)
+        return self.proj((h_BTD * weights_BT1).sum(1) / weights_BT1.sum(1).clamp(min=1))
+
+
+@dataclass
+class ContrastiveOutput:
+    loss: torch.Tensor  # scalar
+    image_BE: torch.Tensor
+    text_BE: torch.Tensor
+
+
+class ContrastivePretrainer(nn.Module):
+    """A :class:`VisionTower` with an attention pool, a caption encoder and SigLIP's learned temperature and bias
+    (initialised as the paper does: t = 10, b = -10)."""
+
+    def __init__(
+        self,
+        tower: VisionTower,
+        vocab_size: int,
+        embed_dim: int = 128,
+        text_dim: int = 128,
+        text_depth: int = 2,
+        text_heads: int = 4,
+        max_caption_tokens: int = 64,
+    ):
+        super().__init__()
+        self.tower = tower
+        heads = max(h for h in range(1, 9) if tower.out_dim % h == 0)
+        self.pool = AttentionPool(tower.out_dim, heads, embed_dim)
+        self.text = CaptionEncoder(vocab_size, text_dim, text_depth, text_heads, max_caption_tokens, embed_dim)
+        self.log_scale = nn.Parameter(torch.tensor(math.log(10.0)))
+        self.bias = nn.Parameter(torch.tensor(-10.0))
+
+    def embed_images(self, patches, patch_coord, patch_valid) -> torch.Tensor:
+        feats = self.tower(patches, patch_coord, patch_valid)
+        return self.pool(feats.features_BLD, feats.valid_BL)
+
+    def forward(self, patches, patch_coord, patch_valid, ids_BT, mask_BT) -> ContrastiveOutput:
+        image_BE = self.embed_images(patches, patch_coord, patch_valid)
+        text_BE = self.text(ids_BT, mask_BT)
+        loss = sigmoid_contrastive_loss(image_BE, text_BE, self.log_scale, self.bias)
+        return ContrastiveOutput(loss, image_BE, text_BE)
+
+    @torch.no_grad()
+    def retrieval_accuracy(self, image_BE: torch.Tensor, text_BE: torch.Tensor) -> float:
+        """Share of images whose own caption scores highest among the batch's (chance 1 / B)."""
+        scores_BB = F.normalize(image_BE, dim=-1) @ F.normalize(text_BE, dim=-1).T
+        return (scores_BB.argmax(1) == torch.arange(len(scores_BB), device=scores_BB.device)).float().mean().item()

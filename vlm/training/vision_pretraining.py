@@ -1,0 +1,193 @@
+"""Contrastive vision pretraining on image-caption shards: the loop behind ``scripts/pretrain_vision.py``.
+
+The model (tower, attention pool, caption encoder, SigLIP's sigmoid loss) is ``vision_tower.pretrain``; this module
+reads the shards, cuts images exactly as the VLM's ``ImageProcessor`` will (same patch size, budget and pixel
+shuffle), trains with AdamW (warmup then cosine), scores held-out retrieval and writes the tower's timm state dict
+as ``.safetensors`` (``ConceptMoEVLMConfig.vision_weights`` loads it) with a ``.json`` record beside it.
+
+Any webdataset shards whose samples hold an image and text work (this toolkit's caption samples, img2dataset's
+image + caption pairs): a sample's first image is paired with all its text. Conversations, samples without an image
+or without text (``missing_field``), unreadable images and broken shards are skipped and counted by kind when the
+shards are read, never fatal.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from data_pipelines.schema import SkipSample, decode_sample, open_image
+from data_pipelines.tar_reader import TruncatedTar, expand_shards, read_tar_groups, skip_marked
+from data_pipelines.tokenizer import load_tokenizer, pad_id
+from vision_tower import ImageProcessor, VisionTower
+from vision_tower.pretrain import ContrastiveOutput, ContrastivePretrainer
+from vlm.config import VISION_PRESETS
+
+TOWER_FIELDS = ("vision_model", "vision_embed_dim", "vision_depth", "vision_heads", "patch_size", "vision_pos_embed")
+Pair = tuple[bytes, list[int]]  # (image file bytes, caption token ids)
+
+
+@dataclass
+class VisionPretrainConfig:
+    shards: list[str]
+    out: str  # the tower's weights: a .safetensors path
+    eval_shards: list[str] = field(default_factory=list)
+    preset: str = "tiny"  # the VLM preset whose tower is trained
+    tower: dict = field(default_factory=dict)  # TOWER_FIELDS overrides (the VLM config's names)
+    max_patches: int = 64
+    pixel_shuffle: int = 2
+    steps: int = 600
+    batch_size: int = 128
+    lr: float = 3e-3
+    warmup: int = 50
+    eval_every: int = 200
+    log_every: int = 20
+    seed: int = 0
+
+    def tower_fields(self) -> dict:
+        if self.preset not in VISION_PRESETS:
+            raise ValueError(f"preset must be one of {sorted(VISION_PRESETS)}, got {self.preset!r}")
+        if unknown := sorted(set(self.tower) - set(TOWER_FIELDS)):
+            raise ValueError(f"unknown tower field(s) {unknown}; allowed: {list(TOWER_FIELDS)}")
+        defaults = {"vision_model": "naflexvit_base_patch16_gap", "patch_size": 16, "vision_pos_embed": None}
+        return defaults | VISION_PRESETS[self.preset] | self.tower
+
+    def check(self) -> None:
+        if not str(self.out).endswith(".safetensors"):
+            raise ValueError(f"out must be a .safetensors path, got {self.out!r}")
+        if self.batch_size < 2 or self.steps < 1 or self.warmup < 1:
+            raise ValueError("batch_size must be >= 2, steps >= 1 and warmup >= 1")
+        self.tower_fields()
+
+
+def read_pairs(shards, tokenizer, max_tokens: int, skipped: Counter, warn: Callable[[str], None] = print) -> list[Pair]:
+    """(image bytes, caption ids) for every usable sample of ``shards``; the rest counted in ``skipped`` by kind."""
+    pairs = []
+    for path in expand_shards(shards):
+        try:
+            for group in read_tar_groups(path):
+                try:
+                    skip_marked(group)
+                    sample = decode_sample(group)
+                    images = [s.image for s in sample.segments if s.image is not None]
+                    text = " ".join(s.text for s in sample.segments if s.text is not None).strip()
+                    if sample.is_conversation or not images or not text:
+                        raise SkipSample("missing_field", "no image-caption pair")
+                    open_image(images[0])  # decodes: a broken image is skipped here, once
+                except SkipSample as err:
+                    skipped[err.kind] += 1
+                    continue
+                pairs.append((images[0], tokenizer(text)["input_ids"][:max_tokens]))
+        except TruncatedTar as err:
+            skipped["truncated_tar"] += 1
+            warn(f"pretrain_vision: skipped the rest of a shard: {err}")
+    return pairs
+
+
+def make_batch(pairs: list[Pair], processor: ImageProcessor, pad: int, skipped: Counter) -> dict | None:
+    """Images cut by ``processor`` and captions padded with ``pad``; None when fewer than two images decode."""
+    images, captions = [], []
+    for data, ids in pairs:
+        try:
+            images.append(open_image(data))
+            captions.append(ids)
+        except SkipSample as err:
+            skipped[err.kind] += 1
+    if len(images) < 2:
+        return None
+    batch = dict(processor(images))
+    length = max(len(ids) for ids in captions)
+    batch["ids_BT"] = torch.tensor([ids + [pad] * (length - len(ids)) for ids in captions])
+    batch["mask_BT"] = torch.tensor([[True] * len(ids) + [False] * (length - len(ids)) for ids in captions])
+    return batch
+
+
+def forward(model: ContrastivePretrainer, batch: dict) -> ContrastiveOutput:
+    return model(batch["patches"], batch["patch_coord"], batch["patch_valid"], batch["ids_BT"], batch["mask_BT"])
+
+
+def pretrain_vision(cfg: VisionPretrainConfig, log: Callable[[str], None] = print) -> dict:
+    """Train, write ``cfg.out`` and its ``.json`` record, and return the record."""
+    cfg.check()
+    t0 = time.time()
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    fields = cfg.tower_fields()
+    tower = VisionTower(
+        fields["vision_model"], fields["vision_embed_dim"], fields["vision_depth"], fields["vision_heads"],
+        fields["patch_size"], fields["vision_pos_embed"],
+    )  # fmt: skip
+    tokenizer = load_tokenizer()
+    model = ContrastivePretrainer(tower, len(tokenizer))
+    processor = ImageProcessor(fields["patch_size"], cfg.max_patches, cfg.pixel_shuffle)
+    pad, skipped = pad_id(tokenizer), Counter()
+    train = read_pairs(cfg.shards, tokenizer, model.text.max_len, skipped, log)
+    held_out = read_pairs(cfg.eval_shards, tokenizer, model.text.max_len, skipped, log) if cfg.eval_shards else []
+    if len(train) < cfg.batch_size:
+        raise ValueError(f"{len(train)} image-caption pairs in the shards, fewer than batch_size {cfg.batch_size}")
+    log(f"pretrain_vision: {len(train)} train / {len(held_out)} held-out pairs; skipped {dict(skipped) or 'none'}")
+
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=1e-4)
+    history: list[dict] = []
+    order: list[int] = []
+    for step in range(cfg.steps):
+        if len(order) < cfg.batch_size:
+            order += rng.sample(range(len(train)), len(train))  # epochs: every pair once, in a new order
+        picked, order = order[: cfg.batch_size], order[cfg.batch_size :]
+        batch = make_batch([train[i] for i in picked], processor, pad, skipped)
+        if batch is None:
+            continue
+        lr = cfg.lr * min((step + 1) / cfg.warmup, 0.5 * (1 + math.cos(math.pi * step / cfg.steps)))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        out = forward(model, batch)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if (step + 1) % cfg.log_every == 0 or step == 0:
+            acc = model.retrieval_accuracy(out.image_BE, out.text_BE)
+            took = time.time() - t0
+            log(f"step {step + 1}/{cfg.steps} loss {out.loss.item():.4f} retrieval {acc:.3f} ({took:.0f} s)")
+        if held_out and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
+            history.append({"step": step + 1, **evaluate(model, held_out, processor, pad, cfg.batch_size, skipped)})
+            log(json.dumps(history[-1]))
+
+    out_path = Path(cfg.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous() for k, v in tower.model.state_dict().items()}, str(out_path))
+    record = {"tower": fields, "config": asdict(cfg), "pairs": {"train": len(train), "held_out": len(held_out)},
+              "skipped": dict(skipped), "eval": history, "seconds": round(time.time() - t0, 1)}  # fmt: skip
+    out_path.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
+    log(f"pretrain_vision: wrote {out_path} and {out_path.with_suffix('.json').name}")
+    return record
+
+
+@torch.no_grad()
+def evaluate(model, held_out: list[Pair], processor, pad: int, batch_size: int, skipped: Counter) -> dict:
+    """Held-out loss and retrieval accuracy (own caption ranked first among the batch's; chance 1 / batch_size)
+    over the held-out pairs' full batches."""
+    was_training = model.training
+    model.eval()
+    outs = []
+    for i in range(0, len(held_out) - batch_size + 1, batch_size):
+        batch = make_batch(held_out[i : i + batch_size], processor, pad, skipped)
+        if batch is not None:
+            outs.append(forward(model, batch))
+    model.train(was_training)
+    if not outs:
+        return {}
+    return {
+        "eval_loss": sum(o.loss.item() for o in outs) / len(outs),
+        "eval_retrieval": sum(model.retrieval_accuracy(o.image_BE, o.text_BE) for o in outs) / len(outs),
+        "retrieval_chance": 1 / batch_size,
+    }
