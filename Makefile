@@ -34,45 +34,54 @@ LINT := $(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/lint-impor
 test: venv
 	$(LINT) && $(BIN)/python -m pytest -q tests
 
-# The main job, end to end on CPU: synthetic shards -> stage 1 (everything trains on questions about one large object:
-# learn to look, docs/seeing.md) ->
-# stage 2 (everything, conversations in the eval tasks' language + captions + text; loss on the answers) with
-# 2-process DeepSpeed -> HF exports -> per-modality R report -> lmms-eval on the four local tasks through the
-# conceptmoe plugin (chat template) -> per-task R report -> score table (score, chance, R per modality) -> the
-# concepts of one held-out sample (scripts/show_concepts.py: runs/demo/concepts.png, .html).
+# The main job, end to end on CPU: synthetic shards -> stage 1 (everything trains on colour / shape / position
+# questions about one large object: learn to look, docs/seeing.md) -> stage 2 (everything, at a lower lr: the eval
+# tasks' conversations, one-object scenes of every size and question type, and more colour / shape / position
+# questions on small single objects, loss on the answers) with 2-process DeepSpeed -> HF exports -> per-modality R
+# report -> lmms-eval on the five local tasks through the conceptmoe plugin (chat template) -> per-task R report ->
+# score table (score, chance, R per modality) -> the concepts of one held-out sample
+# (scripts/show_concepts.py: runs/demo/concepts.png, .html).
 # `make instruct-long` is the same recipe with a longer stage 2 (scripts/configs/stage2_long.yaml, ~60 min).
 DEMO_DATA := data/demo
 DEMO_RUN := runs/demo
 STAGE2 := scripts/configs/stage2.yaml
-INSTRUCT_SAMPLES := 1500
-EVAL_LIMIT := 24
-EVAL_TASKS := cmoe_sceneqa,cmoe_refloc,cmoe_niah,cmoe_longdoc
+TASK_SAMPLES := 1500
+EVAL_LIMIT := 200
+EVAL_TASKS := cmoe_sceneqa_one,cmoe_sceneqa,cmoe_refloc,cmoe_niah,cmoe_longdoc
 # The task definitions plus their generated data (data/ is git-ignored), relative to the repository root.
 EVAL_DIR := eval/tasks
 # The launcher's rendezvous port: a second run on this host needs another one (`make demo MASTER_PORT=29611`).
 MASTER_PORT ?= 29500
 DS := $(BIN)/deepspeed --num_gpus 2 --master_port $(MASTER_PORT) scripts/train_vlm.py \
 	--deepspeed scripts/configs/zero2.json
+# One-object scene questions (scenes_chat with the generator's options): LOOK = colour / shape / position only.
+ONE := $(BIN)/python scripts/make_shards.py --synthetic scenes_chat --option max_objects=1
+LOOK := --option types=colour,shape,position
 demo: venv
-	test -f $(DEMO_DATA)/see/train/manifest.json || $(BIN)/python scripts/make_shards.py --synthetic scenes_chat \
-		--option max_objects=1 --option object_size=0.45,0.95 --out $(DEMO_DATA)/see --num-samples 8000 --seed 0
-	test -f $(DEMO_DATA)/instruct/train/manifest.json || $(BIN)/python scripts/make_shards.py \
-		--synthetic scenes_chat,documents_chat,needles_chat,scenes,text --out $(DEMO_DATA)/instruct \
-		--num-samples $(INSTRUCT_SAMPLES) --seed 0
+	test -f $(DEMO_DATA)/look/train/manifest.json || $(ONE) $(LOOK) --option object_size=0.45,0.95 \
+		--out $(DEMO_DATA)/look --num-samples 12000 --seed 0
+	test -f $(DEMO_DATA)/look_small/train/manifest.json || $(ONE) $(LOOK) \
+		--out $(DEMO_DATA)/look_small --num-samples 6000 --seed 2 --max-count 250
+	test -f $(DEMO_DATA)/one/train/manifest.json || $(ONE) \
+		--out $(DEMO_DATA)/one --num-samples 3000 --seed 1 --max-count 250
+	test -f $(DEMO_DATA)/tasks/train/manifest.json || $(BIN)/python scripts/make_shards.py \
+		--synthetic scenes_chat,documents_chat,needles_chat --option min_units=4 --option max_units=9 \
+		--out $(DEMO_DATA)/tasks --num-samples $(TASK_SAMPLES) --seed 0 --max-count 250
 	rm -rf $(DEMO_RUN)
 	$(DS) --config scripts/configs/stage1.yaml --out $(DEMO_RUN)/stage1
 	$(DS) --config $(STAGE2) --out $(DEMO_RUN)/stage2 --set model.init_from=$(DEMO_RUN)/stage1/hf
 	$(BIN)/python scripts/r_report.py $(DEMO_RUN)/stage2
-	test -f $(EVAL_DIR)/cmoe_sceneqa/data/test.jsonl || $(BIN)/python scripts/make_eval_data.py --out $(EVAL_DIR) \
-		--longdoc-pages 1,4 --longdoc-per-bucket 4 --niah-lengths short --refloc-n 32 --sceneqa-n 40
+	test -f $(EVAL_DIR)/cmoe_sceneqa_one/data/test.jsonl || $(BIN)/python scripts/make_eval_data.py \
+		--out $(EVAL_DIR) --longdoc-pages 1,4 --longdoc-per-bucket 50 --niah-lengths short --niah-per-bucket 100 \
+		--refloc-n 200 --sceneqa-n 60 --sceneqa-one-n 50
 	$(BIN)/python -m lmms_eval --model conceptmoe --model_args pretrained=$(DEMO_RUN)/stage2/hf \
 		--tasks $(EVAL_TASKS) --include_path $(EVAL_DIR) --batch_size 8 --limit $(EVAL_LIMIT) \
 		--output_path $(DEMO_RUN)/eval --log_samples --verbosity DEBUG
 	$(BIN)/python scripts/r_report.py $(DEMO_RUN)/eval
 	$(BIN)/python scripts/score_table.py $(DEMO_RUN)/eval --tasks-dir $(EVAL_DIR)
-	$(BIN)/python scripts/show_concepts.py --model $(DEMO_RUN)/stage2/hf --shards '$(DEMO_DATA)/instruct/eval/*.tar' \
+	$(BIN)/python scripts/show_concepts.py --model $(DEMO_RUN)/stage2/hf --shards '$(DEMO_DATA)/tasks/eval/*.tar' \
 		--index 0 --out $(DEMO_RUN)/concepts.png --html
-	@echo "shards:        $(DEMO_DATA)/{see,instruct}/{train,eval} (manifest.json in each)"
+	@echo "shards:        $(DEMO_DATA)/{look,look_small,one,tasks}/{train,eval} (manifest.json in each)"
 	@echo "metrics:       $(DEMO_RUN)/stage{1,2}/metrics.jsonl (TensorBoard: tb/ beside them)"
 	@echo "HF exports:    $(DEMO_RUN)/stage{1,2}/hf (AutoProcessor / AutoModelForImageTextToText, pipeline)"
 	@echo "R report:      $(DEMO_RUN)/stage2/r_report.json, .png"

@@ -23,6 +23,8 @@ training shards use the ``"train"`` split. Deterministic: the same seed gives by
 - ``cmoe_sceneqa``: ``scenes``; per scene one doc per question type among ``SCENEQA_TYPES`` that the scene's
   ``qa`` has (count always; colour / shape when the asked object is the only one of its shape / colour; position),
   question and answer as ``scenes.questions`` gives them (of the two count questions, one drawn per scene).
+- ``cmoe_sceneqa_one``: the same questions on scenes of exactly one object (the generator's sizes): reading an
+  object without having to pick it out among others, reported as its own rows.
 
 Buckets are interleaved (bucket 0 sample 0, bucket 1 sample 0, ...), so ``--limit k`` sees every bucket early.
 Each manifest also holds the task's chance levels (``chance``: metric -> the score of the best constant answer,
@@ -42,7 +44,8 @@ from data_pipelines.prompts import SCENEQA_TYPES
 from data_pipelines.synthetic import documents, needles, scenes
 from eval import chance, metrics
 
-TASKS = ("cmoe_longdoc", "cmoe_niah", "cmoe_refloc", "cmoe_sceneqa")
+TASKS = ("cmoe_longdoc", "cmoe_niah", "cmoe_refloc", "cmoe_sceneqa", "cmoe_sceneqa_one")
+SCENEQA_TASKS = {"cmoe_sceneqa": 5, "cmoe_sceneqa_one": 1}  # task -> the most objects a scene holds
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"  # the shipped task definitions (read, never written)
 DEFAULT_OUT = Path("eval") / "tasks"  # where the data goes by default: relative to the current directory
 LONGDOC_PAGES = (1, 2, 4, 8, 16, 32)  # page counts the task reports ANLS / EM for
@@ -169,11 +172,12 @@ def refloc_rows(n: int, seed: int, images_dir: Path) -> Iterator[dict]:
         }
 
 
-def sceneqa_rows(n: int, seed: int, images_dir: Path) -> Iterator[dict]:
-    """Docs of ``cmoe_sceneqa``: per scene, one question of each type in ``SCENEQA_TYPES`` its ``qa`` holds, in
-    that order (the image written once per scene)."""
-    gen_seed = _bucket_seed(seed, 3, 0)
-    for i, sample in enumerate(scenes.generate(n, gen_seed, SPLIT)):
+def sceneqa_rows(n: int, seed: int, images_dir: Path, task: str = "cmoe_sceneqa") -> Iterator[dict]:
+    """Docs of ``cmoe_sceneqa`` (or ``cmoe_sceneqa_one``): per scene, one question of each type in
+    ``SCENEQA_TYPES`` its ``qa`` holds, in that order (the image written once per scene)."""
+    gen_seed = _bucket_seed(seed, TASKS.index(task), 0)
+    options = {} if task == "cmoe_sceneqa" else {"options": {"max_objects": SCENEQA_TASKS[task]}}
+    for i, sample in enumerate(scenes.generate(n, gen_seed, SPLIT, max_objects=SCENEQA_TASKS[task])):
         rng = random.Random(f"sceneqa/{gen_seed}/{i}")
         meta = sample.meta
         image = _save_image(sample.segments[0].image, images_dir, f"sceneqa-{i:05d}.png")
@@ -192,7 +196,7 @@ def sceneqa_rows(n: int, seed: int, images_dir: Path) -> Iterator[dict]:
                 "answer": qa["a"],
                 "canvas": [meta["canvas"]["width"], meta["canvas"]["height"]],
                 "num_objects": len(meta["objects"]),
-                "generator": {"kind": "scenes", "seed": gen_seed, "split": SPLIT, "index": i},
+                "generator": {"kind": "scenes", "seed": gen_seed, "split": SPLIT, "index": i, **options},
             }
 
 
@@ -210,7 +214,7 @@ def chance_levels(task: str, docs: list[dict]) -> tuple[dict, dict]:
     answers = [str(d.get("answer", "")) for d in docs]
     if task == "cmoe_refloc":
         found = chance.best_constant_boxes([d["bbox"] for d in docs])
-    elif task == "cmoe_sceneqa":
+    elif task in SCENEQA_TASKS:
         types = [d["type"] for d in docs]
         by_type = chance.best_constant_answer(answers, metrics.short_answer_match, _masks(docs, "type", SCENEQA_TYPES))
         found = {f"acc_{t}": by_type[t] for t in SCENEQA_TYPES}
@@ -279,6 +283,7 @@ def write_eval_sets(
     niah_lengths: Sequence[str] = tuple(NIAH_LENGTHS),
     refloc_n: int = 200,
     sceneqa_n: int = 200,
+    sceneqa_one_n: int = 200,
 ) -> dict[str, dict]:
     """Write the chosen tasks' data (replacing any earlier data of those tasks); returns their manifests."""
     out = Path(out)
@@ -304,7 +309,8 @@ def write_eval_sets(
             options = {"n": refloc_n}
             rows = refloc_rows(refloc_n, seed, images)
         else:
-            options = {"n": sceneqa_n, "types": list(SCENEQA_TYPES)}
-            rows = sceneqa_rows(sceneqa_n, seed, images)
+            n = sceneqa_n if task == "cmoe_sceneqa" else sceneqa_one_n
+            options = {"n": n, "types": list(SCENEQA_TYPES), "max_objects": SCENEQA_TASKS[task]}
+            rows = sceneqa_rows(n, seed, images, task)
         manifests[task] = _write_task(out, task, rows, {"seed": seed, "split": SPLIT, **options})
     return manifests

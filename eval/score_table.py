@@ -9,7 +9,11 @@ Reads, under ``EVAL_OUTPUT_DIR`` (lmms-eval's ``--output_path``):
   ``eval.tasks.<task>.{r,r_text,r_image}.token_weighted`` (summed tokens / summed concepts over the task's
   samples, measured on the prompt forward in eval mode), or, without it, the same summary computed from the
   plugin's ``r_stats_<task>.jsonl`` in memory; R columns stay empty when neither exists;
-- ``TASKS_DIR/<task>/data/manifest.json`` (``scripts/make_eval_data.py`` writes it): ``chance`` per metric.
+- ``TASKS_DIR/<task>/data/manifest.json`` (``scripts/make_eval_data.py`` writes it): ``chance`` per metric;
+- the newest lmms-eval ``*_samples_<task>.jsonl`` of each task (``--log_samples``): ``n``, the docs a metric
+  scored, and ``p``, the one-sided binomial tail P(X >= right | n, chance): how likely a model that only knows the
+  best constant answer scores this well. Both only for metrics whose every per-sample score is 0 or 1 (a plain
+  number, or cmoe_sceneqa's typed ``{"score", "type"}`` items, counted under ``acc_<type>``); empty otherwise.
 
 Writes ``score_table.md`` (the markdown table) and ``score_table.json`` (the same rows) into ``EVAL_OUTPUT_DIR``
 and returns the markdown. Metrics the results report as NaN (a bucket without docs) are left out. The chance
@@ -24,11 +28,11 @@ import math
 from pathlib import Path
 
 from eval.eval_data import DEFAULT_OUT
-from eval.r_report_io import ReportInputError, _num, _read_results
+from eval.r_report_io import SAMPLE_LOG, SAMPLE_LOG_SKIP, ReportInputError, _num, _read_results
 
 logger = logging.getLogger(__name__)
 
-COLUMNS = ("task", "metric", "score", "chance", "R total", "R text", "R image")
+COLUMNS = ("task", "metric", "score", "chance", "n", "p", "R total", "R text", "R image")
 R_KEYS = ("r", "r_text", "r_image")
 
 
@@ -82,6 +86,50 @@ def task_chance(tasks_dir: Path, task: str) -> dict[str, float | None]:
     return {m: _num(v) for m, v in (manifest.get("chance") or {}).items()}
 
 
+def binomial_tail(right: int, n: int, p: float) -> float:
+    """P(X >= right) for X ~ Binomial(n, p)."""
+    if right <= 0:
+        return 1.0
+    return min(1.0, sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(right, n + 1)))
+
+
+def _binary_items(line: dict) -> dict[str, float]:
+    """metric -> this sample's score, for the scores that are a plain number or a typed ``{"score", "type"}``."""
+    out = {}
+    for key, value in line.items():
+        if isinstance(value, dict) and set(value) == {"score", "type"} and key == f"acc_{value['type']}":
+            out[key] = _num(value["score"])
+        elif isinstance(value, int | float) and not isinstance(value, bool) and key not in SAMPLE_LOG_SKIP:
+            out[key] = _num(value)
+    return out
+
+
+def sample_counts(eval_dir: Path) -> dict[str, dict[str, tuple[int, int]]]:
+    """task -> metric -> (n, right) from the newest sample log of each task, for 0/1 metrics only."""
+    logs: dict[str, Path] = {}
+    for path in sorted(eval_dir.rglob("*_samples_*.jsonl"), key=lambda p: (p.stat().st_mtime, p.name)):
+        if (found := SAMPLE_LOG.search(path.name)) is not None:
+            logs[found["task"]] = path
+    out = {}
+    for task, path in logs.items():
+        counts: dict[str, list] = {}
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except OSError as err:
+            logger.warning("%s: skipped (%s)", path, err)
+            continue
+        for text in lines:
+            try:
+                line = json.loads(text)
+            except ValueError:
+                continue
+            for metric, score in _binary_items(line if isinstance(line, dict) else {}).items():
+                n, right, binary = counts.setdefault(metric, [0, 0, True])
+                counts[metric] = [n + 1, right + (score == 1.0), binary and score in (0.0, 1.0)]
+        out[task] = {m: (n, right) for m, (n, right, binary) in counts.items() if binary}
+    return out
+
+
 def rows(eval_dir: str | Path, tasks_dir: str | Path = DEFAULT_OUT) -> list[dict]:
     """One row per (task, metric) of the newest results file: score, chance, R total / text / image."""
     eval_dir, tasks_dir = Path(eval_dir), Path(tasks_dir)
@@ -94,18 +142,22 @@ def rows(eval_dir: str | Path, tasks_dir: str | Path = DEFAULT_OUT) -> list[dict
     if not results:
         raise ReportInputError(f"{results_file}: no task scores")
     logger.info("scores from %s", results_file)
-    r = task_r(eval_dir)
+    r, counts = task_r(eval_dir), sample_counts(eval_dir)
     out = []
     for task in sorted(results):
         chance = task_chance(tasks_dir, task)
         task_r_values = r.get(task, {})
         for metric, score in results[task].items():
+            n, right = counts.get(task, {}).get(metric, (None, None))
+            level = chance.get(metric)
             out.append(
                 {
                     "task": task,
                     "metric": metric,
                     "score": score,
-                    "chance": chance.get(metric),
+                    "chance": level,
+                    "n": n,
+                    "p": binomial_tail(right, n, level) if n and level is not None else None,
                     "r": task_r_values.get("r"),
                     "r_text": task_r_values.get("r_text"),
                     "r_image": task_r_values.get("r_image"),
@@ -121,10 +173,11 @@ def _cell(value, digits: int) -> str:
 
 
 def markdown(table: list[dict]) -> str:
-    """The rows as a markdown table (scores and chance with 3 decimals, R with 2)."""
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * 2 + "---:|" * 5]
+    """The rows as a markdown table (scores and chance with 3 decimals, p with 2 significant digits, R with 2)."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * 2 + "---:|" * 7]
     for row in table:
         cells = [row["task"], row["metric"], _cell(row["score"], 3), _cell(row["chance"], 3)]
+        cells += [_cell(row.get("n"), 0), "" if row.get("p") is None else f"{row['p']:.2g}"]
         cells += [_cell(row[k], 2) for k in R_KEYS]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

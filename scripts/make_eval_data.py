@@ -1,4 +1,5 @@
-"""Generate the local evaluation data of the lmms-eval tasks (cmoe_longdoc, cmoe_niah, cmoe_refloc, cmoe_sceneqa).
+"""Generate the local evaluation data of the lmms-eval tasks (cmoe_longdoc, cmoe_niah, cmoe_refloc, cmoe_sceneqa,
+cmoe_sceneqa_one).
 
     python scripts/make_eval_data.py [--out eval/tasks] [--seed 0] [--tasks cmoe_niah,...] [sizes ...]
 
@@ -38,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--niah-lengths", default=",".join(NIAH_LENGTHS), help="subset of short,medium,long")
     parser.add_argument("--refloc-n", type=int, default=200, help="scenes (one expression each)")
     parser.add_argument("--sceneqa-n", type=int, default=200, help="scenes (one question per type each)")
+    parser.add_argument("--sceneqa-one-n", type=int, default=200, help="one-object scenes (cmoe_sceneqa_one)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     start = time.time()
@@ -52,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             niah_lengths=[n for n in args.niah_lengths.split(",") if n],
             refloc_n=args.refloc_n,
             sceneqa_n=args.sceneqa_n,
+            sceneqa_one_n=args.sceneqa_one_n,
         )
     except ValueError as err:
         print(f"make_eval_data: error: {err}", file=sys.stderr)

@@ -23,6 +23,7 @@ Options (``min_pages``, ``max_units``, ...) go to the base generator.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 
 from data_pipelines import prompts
@@ -90,14 +91,16 @@ def conversations(kind: str, base: Sample, seed: int, split: str, index: int) ->
 
 
 def generate(kind: str, n: int, seed: int, split: str = "train", **options) -> Iterator[Sample]:
-    """The first ``n`` conversations of ``kind`` (every base sample gives at least one, so ``n`` base samples
-    always suffice)."""
+    """The first ``n`` conversations of ``kind``."""
     check_split(split)
     base_generate, _ = KINDS[kind]
     if n <= 0:
         return
     made = 0
-    for index, base in enumerate(base_generate(n, seed, split, **options)):
+    # Every base sample gives at least one conversation unless ``types`` filters its items, so n base samples
+    # suffice; with a filter the (lazy) base stream runs until n are made.
+    count = n if options.get("types") is None else sys.maxsize
+    for index, base in enumerate(base_generate(count, seed, split, **options)):
         for sample in conversations(kind, base, seed, split, index):
             yield sample
             made += 1

@@ -41,6 +41,7 @@ SIZES = {"small": (0.12, 0.18), "medium": (0.22, 0.30), "large": (0.34, 0.42)}  
 BACKGROUNDS = ((255, 255, 255), (232, 232, 232), (250, 244, 228))
 ASPECTS = (1.0, 4 / 3, 3 / 4, 16 / 9, 9 / 16, 2.0, 0.5, 3 / 2, 2 / 3)
 AREAS = (128, 160, 192, 224, 256, 320)  # sqrt of the canvas area in pixels
+QA_TYPES = ("count", "position", "box", "colour", "shape")  # the ``qa`` item types of ``questions``
 MAX_OBJECT_SIZE = 0.95  # ``object_size`` bound: a shape always fits its canvas with a margin
 
 
@@ -194,10 +195,19 @@ def referring_expression(rng: random.Random, target: dict, objects: list[dict]) 
 
 
 def generate(
-    n: int, seed: int, split: str = "train", max_objects: int = 5, object_size: Sequence[float] | None = None
+    n: int,
+    seed: int,
+    split: str = "train",
+    max_objects: int = 5,
+    object_size: Sequence[float] | None = None,
+    types: Sequence[str] | None = None,
 ) -> Iterator[Sample]:
-    """``n`` scene samples, deterministic from (seed, split) and the options (``render_scene``'s)."""
+    """``n`` scene samples, deterministic from (seed, split) and the options (``render_scene``'s, and ``types``:
+    the ``QA_TYPES`` kept in each sample's ``qa``, None for all; images and captions do not depend on it)."""
     check_split(split)
+    types = (types,) if isinstance(types, str) else types  # one type, as ``make_shards --option types=colour`` gives
+    if types is not None and (isinstance(types, str) or not types or set(types) - set(QA_TYPES)):
+        raise ValueError(f"types must be a non-empty list of {', '.join(QA_TYPES)}, got {types!r}")
     if not 1 <= max_objects <= 5:
         raise ValueError(f"max_objects must be in 1..5, got {max_objects}")
     if object_size is not None:
@@ -209,4 +219,5 @@ def generate(
         rng = sample_rng("scenes", seed, split, i)
         img, meta = render_scene(rng, max_objects, object_size)
         segments = [Segment(image=image_bytes(img, "png"), image_ext="png"), Segment(text=caption(rng, meta))]
-        yield Sample(key=sample_key("scenes", seed, split, i), segments=segments, meta=meta, qa=questions(rng, meta))
+        qa = [item for item in questions(rng, meta) if types is None or item["type"] in types]
+        yield Sample(key=sample_key("scenes", seed, split, i), segments=segments, meta=meta, qa=qa)

@@ -27,6 +27,7 @@ REQUIRED = {
     "cmoe_niah": ("id", "segments", "question", "answer", "depth", "length", "modality"),
     "cmoe_refloc": ("id", "image", "expression", "bbox"),
     "cmoe_sceneqa": ("id", "image", "question", "answer", "type"),
+    "cmoe_sceneqa_one": ("id", "image", "question", "answer", "type"),
 }
 MAX_LISTED = 5
 

@@ -193,3 +193,22 @@ def test_interleave_routes_each_option_to_the_kinds_that_take_it():
     assert {s.meta["source"] for s in scenes_of} <= {b.key for b in base}
     with pytest.raises(ValueError, match="max_objects taken by none of"):
         list(interleave(["text"], 1, 0, "train", {"max_objects": 1}))
+
+
+def test_types_keeps_only_the_named_questions_and_changes_nothing_else():
+    """``types`` filters each scene's qa items (a stage without the long box answers); images, captions and the
+    other items stay byte-identical, and a conversation kind keeps drawing scenes until it has ``n``."""
+    full = list(generate("scenes", 6, 3))
+    kept = list(generate("scenes", 6, 3, types=["colour", "shape"]))
+    for a, b in zip(full, kept):
+        assert a.segments[0].image == b.segments[0].image and a.segments[1].text == b.segments[1].text
+        assert b.qa == [q for q in a.qa if q["type"] in ("colour", "shape")]
+    assert [s.qa for s in generate("scenes", 3, 3, types="count")] == [
+        [q for q in s.qa if q["type"] == "count"] for s in full[:3]
+    ]
+    chats = list(generate("scenes_chat", 12, 3, types=["colour"]))  # several objects: some scenes give no item
+    assert len(chats) == 12 and {c.meta["type"] for c in chats} == {"colour"}
+    assert chats[-1].meta["index"] >= 12
+    for bad in ([], ["size"], ["colour", "box", "area"]):
+        with pytest.raises(ValueError, match="types must be"):
+            next(generate("scenes", 1, 0, types=bad))

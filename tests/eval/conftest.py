@@ -22,21 +22,20 @@ def tiny_checkpoint(tmp_path_factory):
     return out
 
 
-SMALL_SETS = dict(
-    longdoc_per_bucket=1, longdoc_pages=(1, 2), niah_per_bucket=2, niah_lengths=("short",), refloc_n=3, sceneqa_n=3
-)
+SMALL_SETS = dict(longdoc_per_bucket=1, longdoc_pages=(1, 2), niah_per_bucket=2, niah_lengths=("short",),
+                  refloc_n=3, sceneqa_n=3, sceneqa_one_n=3)  # fmt: skip
 
 
 @pytest.fixture(scope="session")
 def small_sets():
     """The sizes of the session's eval sets (1-2 page documents, 2 short haystacks, 3 scenes for refloc, 3 for
-    sceneqa)."""
+    sceneqa, 3 one-object scenes for sceneqa_one)."""
     return dict(SMALL_SETS)
 
 
 @pytest.fixture(scope="session")
 def eval_tasks_dir(tmp_path_factory):
-    """The four tasks (YAML, utils.py, data) in a temporary include path, small sizes, seed 0."""
+    """The five tasks (YAML, utils.py, data) in a temporary include path, small sizes, seed 0."""
     from eval.eval_data import write_eval_sets
 
     out = tmp_path_factory.mktemp("tasks")

@@ -185,8 +185,10 @@ def test_chat_kinds_speak_the_tasks_language(eval_tasks_dir):
         assert _image_bytes(refloc[0].turns[0].segments) == [read("cmoe_refloc", doc["image"])]
 
 
-def test_sceneqa_docs(eval_tasks_dir):
-    docs = _docs(eval_tasks_dir, "cmoe_sceneqa")
+@pytest.mark.parametrize("task", ["cmoe_sceneqa", "cmoe_sceneqa_one"])
+def test_sceneqa_docs(eval_tasks_dir, task):
+    docs = _docs(eval_tasks_dir, task)
+    assert task == "cmoe_sceneqa" or all(d["num_objects"] == 1 for d in docs)
     by_scene = {}
     for d in docs:
         by_scene.setdefault(d["generator"]["index"], []).append(d)
@@ -195,7 +197,7 @@ def test_sceneqa_docs(eval_tasks_dir):
     assert sorted(by_scene) == [0, 1, 2] and len({d["id"] for d in docs}) == len(docs)
     for scene_docs in by_scene.values():
         g = scene_docs[0]["generator"]
-        *_, sample = synthetic.generate(g["kind"], g["index"] + 1, g["seed"], g["split"])
+        *_, sample = synthetic.generate(g["kind"], g["index"] + 1, g["seed"], g["split"], **g.get("options", {}))
         types = [qa["type"] for qa in sample.qa]
         assert [d["type"] for d in scene_docs] == [t for t in SCENEQA_TYPES if t in types]  # one doc per type, in order
         assert all({"q": d["question"], "a": d["answer"], "type": d["type"]} in sample.qa for d in scene_docs)

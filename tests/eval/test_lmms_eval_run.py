@@ -1,4 +1,4 @@
-"""A real ``python -m lmms_eval`` run of the four local tasks with the tiny checkpoint (--limit 2), the per-sample
+"""A real ``python -m lmms_eval`` run of the five local tasks with the tiny checkpoint (--limit 2), the per-sample
 R records it leaves next to the results, the R report over that folder and the score table (score, chance, R)."""
 
 import json
@@ -13,12 +13,13 @@ import pytest
 from eval.r_report import write_report
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-TASKS = ("cmoe_longdoc", "cmoe_niah", "cmoe_refloc", "cmoe_sceneqa")
+TASKS = ("cmoe_longdoc", "cmoe_niah", "cmoe_refloc", "cmoe_sceneqa", "cmoe_sceneqa_one")
 METRICS = {
     "cmoe_longdoc": ["anls", "exact_match", "anls_pages_1", "anls_pages_2", "exact_match_pages_1"],
     "cmoe_niah": ["acc", "acc_text", "acc_depth_0", "acc_depth_10", "acc_len_short"],
     "cmoe_refloc": ["IoU", "ACC@0.1", "ACC@0.3", "ACC@0.5", "ACC@0.7", "ACC@0.9", "Center_ACC"],
     "cmoe_sceneqa": ["acc", "acc_count"],  # --limit 2: scene 0's first two docs (count, then its next type)
+    "cmoe_sceneqa_one": ["acc", "acc_count", "acc_colour"],  # one object: count, colour, shape, position
 }
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from eval.score_table import markdown, rows, write_table
+from eval.score_table import binomial_tail, markdown, rows, write_table
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "score_table.py"
 
@@ -46,13 +46,13 @@ def test_table_from_newest_results_manifests_and_r_report(folders):
     table = rows(out, tasks)
     got = {(r["task"], r["metric"]): r for r in table}
     assert sorted(got) == [("cmoe_refloc", "IoU"), ("cmoe_sceneqa", "acc"), ("cmoe_sceneqa", "acc_count")]
-    assert got["cmoe_sceneqa", "acc"] == {"task": "cmoe_sceneqa", "metric": "acc", "score": 0.8,
-                                               "chance": 0.42, "r": 3.5, "r_text": 2.25, "r_image": 5.0}  # fmt: skip
+    assert got["cmoe_sceneqa", "acc"] == {"task": "cmoe_sceneqa", "metric": "acc", "score": 0.8, "chance": 0.42,
+                                          "n": None, "p": None, "r": 3.5, "r_text": 2.25, "r_image": 5.0}  # fmt: skip
     assert got["cmoe_refloc", "IoU"]["chance"] is None and got["cmoe_refloc", "IoU"]["r"] is None
     text = markdown(table)
-    assert text.splitlines()[0] == "| task | metric | score | chance | R total | R text | R image |"
-    assert "| cmoe_sceneqa | acc | 0.800 | 0.420 | 3.50 | 2.25 | 5.00 |" in text
-    assert "| cmoe_refloc | IoU | 0.400 |  |  |  |  |" in text
+    assert text.splitlines()[0] == "| task | metric | score | chance | n | p | R total | R text | R image |"
+    assert "| cmoe_sceneqa | acc | 0.800 | 0.420 |  |  | 3.50 | 2.25 | 5.00 |" in text
+    assert "| cmoe_refloc | IoU | 0.400 |  |  |  |  |  |  |" in text
     assert write_table(out, tasks) == text == (out / "score_table.md").read_text()
     assert json.loads((out / "score_table.json").read_text()) == table
 
@@ -74,10 +74,35 @@ def test_script(folders, tmp_path, capsys, monkeypatch):
     )
     with pytest.raises(SystemExit) as done:
         runpy.run_path(str(SCRIPT), run_name="__main__")
-    assert done.value.code == 0 and "| cmoe_sceneqa | acc_count | 0.900 | 0.300 |" in capsys.readouterr().out
+    assert done.value.code == 0 and "| cmoe_sceneqa | acc_count | 0.900 | 0.300 |  |  |" in capsys.readouterr().out
     assert (tmp_path / "t.md").is_file()
     monkeypatch.setattr(sys, "argv", [str(SCRIPT), str(tmp_path / "empty")])
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit) as done:
         runpy.run_path(str(SCRIPT), run_name="__main__")
     assert done.value.code == 2 and "no lmms-eval *_results.json" in capsys.readouterr().err
+
+
+def test_n_and_binomial_p_from_the_sample_logs_for_0_1_metrics_only(folders):
+    """From the newest sample log of a task: plain 0/1 scores and typed items counted under their own type; a
+    fractional metric (IoU) gets no n or p; p is the chance model's tail P(X >= right)."""
+    out, tasks = folders
+    model = out / "runs__demo__hf"
+    old = [{"doc_id": 0, "acc": 0.0, "acc_count": {"score": 0.0, "type": "count"}}]
+    (model / "20250101_000000_samples_cmoe_sceneqa.jsonl").write_text("".join(json.dumps(x) + "\n" for x in old))
+    os.utime(model / "20250101_000000_samples_cmoe_sceneqa.jsonl", (1_000, 1_000))
+    lines = []
+    for i in range(10):
+        typ = "count" if i < 6 else "colour"
+        score = float(i < 5)  # count: 5 of 6 right; colour: 0 of 4
+        lines.append({"doc_id": i, "acc": score, "acc_count": {"score": score, "type": typ},
+                      "acc_colour": {"score": score, "type": typ}, "target": "3"})  # fmt: skip
+    (model / "20250102_000000_samples_cmoe_sceneqa.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    refloc = [{"doc_id": i, "IoU": 0.25 * i, "ACC@0.5": float(i > 1)} for i in range(4)]
+    (model / "20250102_000000_samples_cmoe_refloc.jsonl").write_text("".join(json.dumps(x) + "\n" for x in refloc))
+    got = {(r["task"], r["metric"]): r for r in rows(out, tasks)}
+    assert (got["cmoe_sceneqa", "acc"]["n"], got["cmoe_sceneqa", "acc_count"]["n"]) == (10, 6)
+    assert got["cmoe_sceneqa", "acc"]["p"] == pytest.approx(binomial_tail(5, 10, 0.42))
+    assert got["cmoe_sceneqa", "acc_count"]["p"] == pytest.approx(6 * 0.3**5 * 0.7 + 0.3**6)
+    assert got["cmoe_refloc", "IoU"]["n"] is None and got["cmoe_refloc", "IoU"]["p"] is None
+    assert binomial_tail(0, 5, 0.5) == 1.0 and binomial_tail(3, 3, 0.5) == pytest.approx(0.125)
