@@ -227,3 +227,16 @@ def niah_grid_and_bucket(key: str, value):
 
     aggregate.__name__ = f"mean_{key}_{value}_and_grid"
     return aggregate
+
+
+def sceneqa_hooks(data_dir: Path, task: str) -> dict:
+    """The lmms-eval hooks of a sceneqa-style task (``cmoe_sceneqa``, ``cmoe_sceneqa_one``) bound to its ``data/``:
+    ``process_docs``, the visual / text / results functions and one ``acc_<type>`` aggregation per question type."""
+
+    def process(dataset):
+        """Parse and validate ``data/test.jsonl`` (bad lines and missing images skipped and counted)."""
+        return process_docs(dataset, data_dir, task)
+
+    hooks = {"process_docs": process, "doc_to_visual": sceneqa_visual, "doc_to_text": sceneqa_text}
+    hooks["process_results"] = sceneqa_results
+    return hooks | {f"acc_{t}": bucket("type", t) for t in SCENEQA_TYPES}
