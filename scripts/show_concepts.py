@@ -1,7 +1,7 @@
 """Show which tokens a ConceptMoE VLM merges into concepts: text spans and image regions, as a PNG (and HTML).
 
     python scripts/show_concepts.py --model DIR --image IMG [--image IMG ...] --text "..." [--chat] --out PATH.png
-    python scripts/show_concepts.py --model DIR --shards 'data/demo/instruct/eval/*.tar' --index K --out PATH.png
+    python scripts/show_concepts.py --model DIR --shards 'data/demo/tasks/eval/*.tar' --index K --out PATH.png
 
 ``DIR`` is an exported model folder (``ConceptMoEVLM`` + ``VLMProcessor``, e.g. ``runs/demo/stage2/hf``). ``--text``
 holds one ``<image>`` marker per image where it goes; missing markers are prepended. ``--chat`` wraps the text as a
