@@ -206,7 +206,7 @@ def generate(
     the ``QA_TYPES`` kept in each sample's ``qa``, None for all; images and captions do not depend on it)."""
     check_split(split)
     types = (types,) if isinstance(types, str) else types  # one type, as ``make_shards --option types=colour`` gives
-    if types is not None and (isinstance(types, str) or not types or set(types) - set(QA_TYPES)):
+    if types is not None and (not types or set(types) - set(QA_TYPES)):
         raise ValueError(f"types must be a non-empty list of {', '.join(QA_TYPES)}, got {types!r}")
     if not 1 <= max_objects <= 5:
         raise ValueError(f"max_objects must be in 1..5, got {max_objects}")

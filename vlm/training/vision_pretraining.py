@@ -30,7 +30,7 @@ from data_pipelines.tar_reader import TruncatedTar, expand_shards, read_tar_grou
 from data_pipelines.tokenizer import load_tokenizer, pad_id
 from vision_tower import ImageProcessor, VisionTower
 from vision_tower.pretrain import ContrastiveOutput, ContrastivePretrainer
-from vlm.config import VISION_PRESETS
+from vlm.config import VISION_PRESETS, ConceptMoEVLMConfig
 
 TOWER_FIELDS = ("vision_model", "vision_embed_dim", "vision_depth", "vision_heads", "patch_size", "vision_pos_embed")
 Pair = tuple[bytes, list[int]]  # (image file bytes, caption token ids)
@@ -58,8 +58,8 @@ class VisionPretrainConfig:
             raise ValueError(f"preset must be one of {sorted(VISION_PRESETS)}, got {self.preset!r}")
         if unknown := sorted(set(self.tower) - set(TOWER_FIELDS)):
             raise ValueError(f"unknown tower field(s) {unknown}; allowed: {list(TOWER_FIELDS)}")
-        defaults = {"vision_model": "naflexvit_base_patch16_gap", "patch_size": 16, "vision_pos_embed": None}
-        return defaults | VISION_PRESETS[self.preset] | self.tower
+        config = ConceptMoEVLMConfig.from_preset(self.preset, **self.tower)  # the VLM's own defaults and checks
+        return {name: getattr(config, name) for name in TOWER_FIELDS}
 
     def check(self) -> None:
         if not str(self.out).endswith(".safetensors"):

@@ -5,17 +5,12 @@ every model the toolkit trained before it answered one constant per question typ
 """
 
 import importlib.util
-import math
 from pathlib import Path
 
 import pytest
 
+from eval.score_table import binomial_tail
 from vlm.training.probe import ProbeConfig, SeeingProbe, Stage
-
-
-def binomial_tail(k: int, n: int, p: float) -> float:
-    """P(X >= k) for X ~ Binomial(n, p)."""
-    return sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k, n + 1))
 
 
 def test_a_tiny_vlm_reads_a_small_objects_colour_after_a_size_curriculum():
