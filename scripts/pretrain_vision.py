@@ -9,7 +9,8 @@ image + caption pairs). The tower is the VLM preset's (``--preset``; ``--set FIE
 ``vision_depth``, ``vision_heads``, ``vision_model``, ``patch_size``, ``vision_pos_embed``) and sees images exactly
 as the VLM's processor cuts them (``--max-patches``, ``--pixel-shuffle``). The output is the tower's timm state dict
 (``.safetensors``) with a ``.json`` record beside it (settings, skips, held-out loss and retrieval); train the VLM
-from it with ``--set model.overrides.vision_weights=PATH`` or the run YAML's ``model.overrides``. The logic is
+from it with ``--set model.overrides.vision_weights=PATH`` or the run YAML's ``model.overrides``. An existing
+``--out`` is refused before training unless ``--overwrite``; the file is written whole or not at all. The logic is
 ``vlm.training.vision_pretraining``; docs/seeing.md measures what it buys.
 """
 
@@ -36,6 +37,7 @@ def main(argv=None) -> int:
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     args = p.parse_args(argv)
     tower = {}
     for item in args.set:

@@ -52,6 +52,7 @@ class VisionPretrainConfig:
     eval_every: int = 200
     log_every: int = 20
     seed: int = 0
+    overwrite: bool = False  # replace an existing ``out``; otherwise an existing file is refused before training
 
     def tower_fields(self) -> dict:
         if self.preset not in VISION_PRESETS:
@@ -64,6 +65,8 @@ class VisionPretrainConfig:
     def check(self) -> None:
         if not str(self.out).endswith(".safetensors"):
             raise ValueError(f"out must be a .safetensors path, got {self.out!r}")
+        if Path(self.out).exists() and not self.overwrite:
+            raise ValueError(f"out {str(self.out)!r} exists; choose another path or pass overwrite (--overwrite)")
         if self.batch_size < 2 or self.steps < 1 or self.warmup < 1:
             raise ValueError("batch_size must be >= 2, steps >= 1 and warmup >= 1")
         self.tower_fields()
@@ -164,7 +167,9 @@ def pretrain_vision(cfg: VisionPretrainConfig, log: Callable[[str], None] = prin
 
     out_path = Path(cfg.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous() for k, v in tower.model.state_dict().items()}, str(out_path))
+    partial = out_path.with_name(out_path.name + ".partial")  # a crash mid-write never leaves a cut file at out
+    save_file({k: v.detach().contiguous() for k, v in tower.model.state_dict().items()}, str(partial))
+    partial.replace(out_path)
     record = {"tower": fields, "config": asdict(cfg), "pairs": {"train": len(train), "held_out": len(held_out)},
               "skipped": dict(skipped), "eval": history, "seconds": round(time.time() - t0, 1)}  # fmt: skip
     out_path.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")

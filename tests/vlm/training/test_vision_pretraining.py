@@ -68,6 +68,9 @@ def test_pretraining_writes_a_tower_the_vlm_loads_and_counts_what_it_skipped(tmp
     assert not all(torch.equal(fresh[k], weights[k]) for k in weights)  # training moved the tower
     with pytest.raises(ValueError, match="do not fit"):  # a tower of another width refuses in one error
         ConceptMoEVLM.from_preset("tiny-moe", vision_weights=str(out))
+    with pytest.raises(ValueError, match="exists"):  # a second run never replaces the tower unasked
+        pretrain_vision(cfg, log=lines.append)
+    assert torch.equal(load_file(str(out))[next(iter(weights))], weights[next(iter(weights))])
 
 
 def test_pretrain_cli_refuses_bad_settings_in_one_line(tmp_path, capsys):
