@@ -42,18 +42,29 @@ def parse_size(text: str) -> tuple[float, float]:
         raise argparse.ArgumentTypeError(f"{text!r}: expected LOW-HIGH, e.g. 0.12-0.42") from None
 
 
+def parse_units(text: str) -> tuple[int, int]:
+    low, sep, high = text.partition("-")
+    try:
+        return int(low), int(high)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected LOW-HIGH, e.g. 1-3") from None
+
+
 def main(argv=None) -> int:
     defaults = ProbeConfig()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default=defaults.preset, help="tiny-moe (no chunking) or tiny (ConceptMoE)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=JSON", help="a model override")
-    parser.add_argument("--types", default="colour", help="question types: colour,shape,position,count")
+    parser.add_argument("--types", default="colour", help="question types: colour,shape,position,count,needle")
     parser.add_argument("--stage", action="append", type=parse_stage, help="a curriculum stage (repeatable)")
     for name in ("steps", "rows", "seq_len", "warmup", "max_patches", "eval_every", "eval_n", "eval_objects", "seed"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument("--caption-share", type=float, default=0.0, help="share of captioned scenes in training")
     parser.add_argument("--eval-size", type=parse_size, help="held-out shapes' side LOW-HIGH (default: generator's)")
+    parser.add_argument("--needle-units", type=parse_units, default=defaults.needle_units,
+                        help="needle type: haystack units LOW-HIGH (default 1-3)")  # fmt: skip
+    parser.add_argument("--needle-modalities", default="text", help="needle type: text, image or text,image")
     parser.add_argument("--out", type=Path, help="append the JSON lines to this file")
     args = parser.parse_args(argv)
     overrides = {}
@@ -75,6 +86,8 @@ def main(argv=None) -> int:
         stages=stages,
         **{k: getattr(args, k) for k in ("steps", "rows", "seq_len", "warmup", "max_patches", "lr", "seed")},
         caption_share=args.caption_share,
+        needle_units=args.needle_units,
+        needle_modalities=tuple(m.strip() for m in args.needle_modalities.split(",") if m.strip()),
         **{k: getattr(args, k) for k in ("eval_every", "eval_n", "eval_objects", "eval_size")},
     )
     try:

@@ -116,7 +116,7 @@ class ImageProcessor(BaseImageProcessor):
 
         is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)
         need(is_int(patch_size) and patch_size >= 1, "patch_size", "must be a positive int", patch_size)
-        need(pixel_shuffle in (1, 2) and is_int(pixel_shuffle), "pixel_shuffle", "must be 1 or 2", pixel_shuffle)
+        need(pixel_shuffle in (1, 2, 4) and is_int(pixel_shuffle), "pixel_shuffle", "must be 1, 2 or 4", pixel_shuffle)
         need(is_int(max_patches), "max_patches", "must be an int", max_patches)
         need(
             max_patches >= pixel_shuffle**2,

@@ -63,18 +63,23 @@ def generate(
     min_units: int = 12,
     max_units: int = 40,
     image_share: float = 0.3,
+    modalities: tuple[str, ...] | str = MODALITIES,
 ) -> Iterator[Sample]:
     """``n`` haystacks of ``min_units..max_units`` units (``image_share`` of them images), deterministic from
-    (seed, split)."""
+    (seed, split). ``modalities`` keeps the needles of those modalities (``"text"``: a copying stage with no
+    reading of drawn text); the depth grid then cycles over the kept ones."""
     check_split(split)
     if not 1 <= min_units <= max_units:
         raise ValueError(f"need 1 <= min_units <= max_units, got min_units={min_units}, max_units={max_units}")
     if not 0.0 <= image_share <= 1.0:
         raise ValueError(f"image_share must be in [0, 1], got {image_share}")
+    kept = (modalities,) if isinstance(modalities, str) else tuple(modalities)
+    if not kept or set(kept) - set(MODALITIES) or len(set(kept)) != len(kept):
+        raise ValueError(f"modalities must be distinct values among {MODALITIES}, got {modalities!r}")
     pool = paragraphs(split)
     for i in range(n):
         rng = sample_rng("needles", seed, split, i)
-        depth, modality = DEPTHS[i % len(DEPTHS)], MODALITIES[(i // len(DEPTHS)) % len(MODALITIES)]
+        depth, modality = DEPTHS[i % len(DEPTHS)], kept[(i // len(DEPTHS)) % len(kept)]
         units = [_haystack_unit(rng, pool, image_share) for _ in range(rng.randint(min_units, max_units))]
         sentence, question, answer = needle_fact(rng)
         needle_box = None

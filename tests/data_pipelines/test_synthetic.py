@@ -212,3 +212,15 @@ def test_types_keeps_only_the_named_questions_and_changes_nothing_else():
     for bad in ([], ["size"], ["colour", "box", "area"]):
         with pytest.raises(ValueError, match="types must be"):
             next(generate("scenes", 1, 0, types=bad))
+
+
+def test_needle_modalities_keep_only_those_needles():
+    """``modalities="text"`` (a copying stage): every needle is a text segment, the depth grid still covered."""
+    samples = list(generate("needles", 22, 0, "train", min_units=1, max_units=3, modalities="text"))
+    assert {s.meta["needle_modality"] for s in samples} == {"text"}
+    assert {s.meta["depth"] for s in samples} == set(needles.DEPTHS)
+    both = list(generate("needles", 22, 0, "train", min_units=1, max_units=3, modalities=["text", "image"]))
+    assert [s.meta for s in both] == [s.meta for s in generate("needles", 22, 0, "train", min_units=1, max_units=3)]
+    for bad in ("audio", [], ["text", "text"]):
+        with pytest.raises(ValueError, match="modalities"):
+            next(generate("needles", 1, 0, modalities=bad))

@@ -30,7 +30,7 @@ def scale_range(k, side):
 
 
 @pytest.mark.parametrize("upscale", [False, True])
-@pytest.mark.parametrize("patch_size,max_patches,merge", [(16, 256, 2), (14, 100, 1), (8, 36, 2)])
+@pytest.mark.parametrize("patch_size,max_patches,merge", [(16, 256, 2), (14, 100, 1), (8, 36, 2), (16, 256, 4)])
 def test_grid_respects_budget_aspect_and_covers_once(patch_size, max_patches, merge, upscale):
     proc = ImageProcessor(patch_size=patch_size, max_patches=max_patches, pixel_shuffle=merge, upscale=upscale)
     images = [Image.new("RGB", size, (40, 90, 200)) for size in SIZES]

@@ -33,12 +33,13 @@ def naive(feats, coord, valid, grids, m):
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("merge", [1, 2])
+@pytest.mark.parametrize("merge", [1, 2, 4])
 def test_matches_naive_loop(merge):
-    feats, coord, valid, grid_hw = batch(GRIDS)
+    grids = GRIDS if merge < 4 else [(4, 8), (4, 4), (8, 4)]  # grids are multiples of the merge
+    feats, coord, valid, grid_hw = batch(grids)
     out = pixel_shuffle_merge(feats, coord, valid, grid_hw, merge)
-    assert out.shape == (sum(h * w for h, w in GRIDS) // merge**2, 5 * merge**2)
-    torch.testing.assert_close(out, naive(feats, coord, valid, GRIDS, merge), atol=0, rtol=0)
+    assert out.shape == (sum(h * w for h, w in grids) // merge**2, 5 * merge**2)
+    torch.testing.assert_close(out, naive(feats, coord, valid, grids, merge), atol=0, rtol=0)
 
 
 def test_merge_one_is_row_major_valid_features():

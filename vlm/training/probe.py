@@ -64,6 +64,8 @@ class ProbeConfig:
     eval_size: tuple[float, float] | None = None
     seed: int = 0
     caption_share: float = 0.0  # share of training samples that are captioned scenes (loss on the whole caption)
+    needle_units: tuple[int, int] = (1, 3)  # haystack units of the ``needle`` type (train and held out)
+    needle_modalities: tuple[str, ...] = ("text",)  # where its needles are: text (copying), image (reading)
 
 
 @dataclass
@@ -79,10 +81,23 @@ class ProbeScore:
 
 
 def scene_questions(cfg: ProbeConfig, split: str, max_objects: int, object_size, seed: int) -> Iterator[Sample]:
-    """``scenes_chat`` conversations of ``cfg.types`` (an endless stream, deterministic from the arguments)."""
-    for sample in _endless("scenes_chat", split, seed, max_objects=max_objects, object_size=object_size):
-        if sample.meta["task"] == "sceneqa" and sample.meta["type"] in cfg.types:
-            yield sample
+    """The conversations of ``cfg.types`` (an endless stream, deterministic from the arguments): ``scenes_chat``
+    questions, and for the ``needle`` type ``needles_chat`` haystacks of ``cfg.needle_units`` units, one of each in
+    turn."""
+    streams = []
+    if set(cfg.types) - {"needle"}:
+        streams.append(
+            sample
+            for sample in _endless("scenes_chat", split, seed, max_objects=max_objects, object_size=object_size)
+            if sample.meta["task"] == "sceneqa" and sample.meta["type"] in cfg.types
+        )
+    if "needle" in cfg.types:
+        low, high = cfg.needle_units
+        options = dict(min_units=low, max_units=high, modalities=cfg.needle_modalities)
+        streams.append(_endless("needles_chat", split, seed, **options))
+    while True:
+        for stream in streams:
+            yield next(stream)
 
 
 def training_samples(cfg: ProbeConfig, stage: Stage, seed: int) -> Iterator[Sample]:
@@ -103,7 +118,7 @@ def _endless(kind: str, split: str, seed: int, **options) -> Iterator[Sample]:
         block += 1
 
 
-QUESTION_TYPES = ("colour", "shape", "position", "count")
+QUESTION_TYPES = ("colour", "shape", "position", "count", "needle")
 
 
 def check_config(cfg: ProbeConfig) -> None:
@@ -116,6 +131,8 @@ def check_config(cfg: ProbeConfig) -> None:
         raise ValueError(f"stages must start at step 0, in increasing order, got starts {starts}")
     for s in [*cfg.stages, Stage(0, cfg.eval_objects, cfg.eval_size)]:
         next(synthetic.generate("scenes", 1, 0, max_objects=s.max_objects, object_size=s.object_size))
+    low, high = cfg.needle_units
+    next(synthetic.generate("needles", 1, 0, min_units=low, max_units=high, modalities=cfg.needle_modalities))
     if not 0.0 <= cfg.caption_share < 1.0:
         raise ValueError(f"caption_share must be in [0, 1), got {cfg.caption_share}")
     if min(cfg.steps, cfg.rows, cfg.eval_every, cfg.eval_n) < 1:
@@ -127,8 +144,9 @@ class SeeingProbe:
         check_config(cfg)
         self.cfg = cfg
         tokenizer = load_tokenizer()
-        shuffle = cfg.overrides.get("pixel_shuffle", ConceptMoEVLMConfig.from_preset(cfg.preset).pixel_shuffle)
-        self.processor = VLMProcessor(tokenizer, ImageProcessor(max_patches=cfg.max_patches, pixel_shuffle=shuffle))
+        base = ConceptMoEVLMConfig.from_preset(cfg.preset)
+        cuts = {k: cfg.overrides.get(k, getattr(base, k)) for k in ("patch_size", "pixel_shuffle")}
+        self.processor = VLMProcessor(tokenizer, ImageProcessor(max_patches=cfg.max_patches, **cuts))
         self.encoder = TokenEncoder(tokenizer)
         torch.manual_seed(cfg.seed)
         self.model = ConceptMoEVLM.from_preset(

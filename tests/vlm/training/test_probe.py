@@ -49,6 +49,8 @@ def test_probe_cli_refuses_bad_settings_in_one_line(capsys):
         (["--stage", "0:1:0.5"], "expected START:MAX_OBJECTS[:LOW-HIGH]"),
         (["--stage", "0:1:0.9-0.99"], "object_size must be"),
         (["--set", "pixel_shuffle"], "expected FIELD=JSON"),
+        (["--types", "needle", "--needle-units", "3-1"], "min_units <= max_units"),
+        (["--types", "needle", "--needle-modalities", "audio"], "modalities must be"),
         (["--seq-len", "32", "--steps", "1", "--eval-n", "1"], "skipped (too_long"),  # counted, then refused
     ):
         with pytest.raises(SystemExit) as stopped:
