@@ -14,7 +14,7 @@ _TOWER_FIELDS = ("vision_embed_dim", "vision_depth", "vision_heads", "patch_size
 VLM_RULES: tuple[Rule, ...] = (
     Rule("image_token_id", lambda c: 0 <= c.image_token_id < c.text_config.vocab_size,
          "must be in [0, text_config.vocab_size={c.text_config.vocab_size})"),
-    field_rule("pixel_shuffle", lambda m: m in (1, 2, 4), "allowed values are 1 (none), 2 and 4 (2x2 / 4x4 pixel shuffle)"),
+    field_rule("pixel_shuffle", lambda m: m in (1, 2, 4), "allowed values are 1 (none), 2 and 4 (2x2 / 4x4)"),
     Rule("max_patches", lambda c: c.max_patches >= c.pixel_shuffle**2, "must be >= pixel_shuffle**2"),
     *(field_rule(f, lambda v: v is None or (isinstance(v, int) and v >= 1), "must be None (timm's) or an int >= 1")
       for f in _TOWER_FIELDS),
