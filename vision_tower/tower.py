@@ -17,6 +17,8 @@ import timm
 import torch
 from torch import nn
 
+from vision_tower.stem import STEMS, PatchConvStem
+
 logger = logging.getLogger(__name__)
 
 # VisionTower's pos_embed names -> timm keyword arguments, per model family (timm 1.0.31).
@@ -105,8 +107,10 @@ class VisionTower(nn.Module):
 
     ``embed_dim`` / ``depth`` / ``num_heads`` / ``patch_size`` override the named model's size (``None`` keeps the
     model's own, which ``pretrained=True`` needs). ``pos_embed``: ``None`` (the model's default), ``'learned'``,
-    ``'none'``, and for NaFlexViT also ``'factorized'`` and ``'rope'`` (axial 2-D RoPE). Extra keyword arguments go
-    to ``timm.create_model`` unchanged.
+    ``'none'``, and for NaFlexViT also ``'factorized'`` and ``'rope'`` (axial 2-D RoPE). ``stem``: ``'linear'``
+    (timm's patch embedding) or, for NaFlexViT, ``'conv'`` (:class:`~vision_tower.stem.PatchConvStem`, three
+    convolutions inside each patch; its weights are part of the tower's state dict). Extra keyword arguments go to
+    ``timm.create_model`` unchanged.
     """
 
     def __init__(
@@ -119,10 +123,14 @@ class VisionTower(nn.Module):
         pos_embed: str | None = None,
         weights: str | Path | None = None,
         pretrained: bool = False,
+        stem: str = "linear",
         **timm_kwargs,
     ):
         super().__init__()
         self.family = _family(model_name)
+        if stem not in STEMS or (stem == "conv" and (self.family != "naflex" or pretrained)):
+            raise ValueError(f"VisionTower: stem must be one of {STEMS} ('conv' needs a naflexvit model and no "
+                             f"pretrained timm weights, whose patch embedding is linear), got {stem!r}")  # fmt: skip
         if not timm.is_model(model_name):
             raise ValueError(f"VisionTower: model_name {model_name!r} is not a timm model (see timm.list_models)")
         sizes = dict(embed_dim=embed_dim, depth=depth, num_heads=num_heads, patch_size=patch_size)
@@ -141,6 +149,9 @@ class VisionTower(nn.Module):
             (self.model.patch_embed.patch_size if self.family == "vit" else self.model.get_patch_size())[0]
         )
         self.num_prefix_tokens = int(self.model.num_prefix_tokens)
+        self.stem = stem
+        if stem == "conv":  # NaFlexEmbeds applies ``proj`` to the [B, N, p*p*3] patches
+            self.model.embeds.proj = PatchConvStem(self.patch_size, self.out_dim)
         if weights is not None:
             load_timm_weights(self.model, weights)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
+from vision_tower.stem import STEMS
 from vlm.backbone.config import ConceptMoEConfig, Rule, check_rules, field_rule, rename_legacy_fields
 from vlm.image_scan import IMAGE_CHUNKING
 
@@ -26,6 +27,10 @@ VLM_RULES: tuple[Rule, ...] = (
          "text_config.chunking='dynamic' (got {c.text_config.chunking!r})"),
     field_rule("vision_model", lambda name: name.startswith(("naflexvit", "vit_")),
                "must name a timm NaFlexViT ('naflexvit_*') or ViT ('vit_*') model"),
+    field_rule("vision_stem", lambda v: v in STEMS, f"allowed values are {', '.join(STEMS)}"),
+    Rule("vision_stem", lambda c: c.vision_stem != "conv" or (c.vision_model.startswith("naflexvit")
+         and not c.vision_pretrained and (c.patch_size or 16) % 4 == 0),
+         "'conv' needs a naflexvit vision_model, no vision_pretrained and a patch_size divisible by 4"),
 )  # fmt: skip
 
 # Vision towers per preset: random-init NaFlexViTs small enough for CPU tests and demos.
@@ -58,6 +63,7 @@ class ConceptMoEVLMConfig(PretrainedConfig):
         vision_heads: int | None = 2,
         patch_size: int | None = 16,
         vision_pos_embed: str | None = None,
+        vision_stem: str = "linear",
         vision_weights: str | None = None,
         vision_pretrained: bool = False,
         pixel_shuffle: int = 2,
@@ -87,6 +93,7 @@ class ConceptMoEVLMConfig(PretrainedConfig):
         self.vision_heads = vision_heads
         self.patch_size = patch_size
         self.vision_pos_embed = vision_pos_embed
+        self.vision_stem = vision_stem
         self.vision_weights = vision_weights
         self.vision_pretrained = vision_pretrained
         self.pixel_shuffle = pixel_shuffle

@@ -57,6 +57,7 @@ class ConceptMoEVLM(PreTrainedModel, ConceptMoEGenerationMixin):
             num_heads=config.vision_heads,
             patch_size=config.patch_size,
             pos_embed=config.vision_pos_embed,
+            stem=config.vision_stem,
             weights=config.vision_weights,
             pretrained=config.vision_pretrained,
         )

@@ -40,8 +40,9 @@ def run(tower, batch):
         dict(pos_embed="rope"),
         dict(pos_embed="factorized"),
         dict(model_name="vit_tiny_patch16_224"),
+        dict(stem="conv"),
     ],
-    ids=["naflex-learned", "naflex-rope", "naflex-factorized", "vit"],
+    ids=["naflex-learned", "naflex-rope", "naflex-factorized", "vit", "naflex-conv-stem"],
 )
 def test_features_of_an_image_do_not_depend_on_the_batch(kwargs):
     tower, imgs = make_tower(**kwargs), images()

@@ -122,8 +122,9 @@ def test_per_modality_identity_and_single_modality_concepts(processor):
         start = end + 1
 
 
-def test_save_and_load_with_auto_classes(tmp_path, processor):
-    model = make_vlm(processor, modality_boundaries=True).eval()
+@pytest.mark.parametrize("stem", ["linear", "conv"])
+def test_save_and_load_with_auto_classes(tmp_path, processor, stem):
+    model = make_vlm(processor, modality_boundaries=True, vision_stem=stem).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
@@ -133,6 +134,7 @@ def test_save_and_load_with_auto_classes(tmp_path, processor):
     loaded = AutoModelForImageTextToText.from_pretrained(tmp_path).eval()
     proc2 = VLMProcessor.from_pretrained(tmp_path)
     assert isinstance(loaded, ConceptMoEVLM) and proc2.image_token_id == processor.image_token_id
+    assert loaded.config.vision_stem == stem
     batch = proc2(text=["<image> a yellow square"], images=[images(1)])
     with torch.no_grad():
         assert torch.equal(model(**batch).logits, loaded(**batch).logits)

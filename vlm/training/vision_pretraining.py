@@ -32,7 +32,9 @@ from vision_tower import ImageProcessor, VisionTower
 from vision_tower.pretrain import ContrastiveOutput, ContrastivePretrainer
 from vlm.config import VISION_PRESETS, ConceptMoEVLMConfig
 
-TOWER_FIELDS = ("vision_model", "vision_embed_dim", "vision_depth", "vision_heads", "patch_size", "vision_pos_embed")
+TOWER_FIELDS = (
+    "vision_model", "vision_embed_dim", "vision_depth", "vision_heads", "patch_size", "vision_pos_embed", "vision_stem",
+)  # fmt: skip
 Pair = tuple[bytes, list[int]]  # (image file bytes, caption token ids)
 
 
@@ -127,7 +129,7 @@ def pretrain_vision(cfg: VisionPretrainConfig, log: Callable[[str], None] = prin
     fields = cfg.tower_fields()
     tower = VisionTower(
         fields["vision_model"], fields["vision_embed_dim"], fields["vision_depth"], fields["vision_heads"],
-        fields["patch_size"], fields["vision_pos_embed"],
+        fields["patch_size"], fields["vision_pos_embed"], stem=fields["vision_stem"],
     )  # fmt: skip
     tokenizer = load_tokenizer()
     model = ContrastivePretrainer(tower, len(tokenizer))

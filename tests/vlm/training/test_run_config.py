@@ -59,7 +59,8 @@ def test_unknown_preset_lists_the_presets():
 @pytest.mark.parametrize(
     "overrides, field",
     [("{target_r: 0.5}", "target_r"), ("{chunking: sometimes}", "chunking"), ("{top_k: 99}", "top_k"),
-     ("{pixel_shuffle: 3}", "pixel_shuffle"), ("{target_r: many}", "model.overrides")],
+     ("{pixel_shuffle: 3}", "pixel_shuffle"), ("{target_r: many}", "model.overrides"),
+     ("{vision_stem: cnn}", "vision_stem"), ("{vision_stem: conv, patch_size: 14}", "vision_stem")],
 )  # fmt: skip
 def test_model_rule_violations_fail_at_load(overrides, field):
     assert field in config_error(f"model.overrides={overrides}")
