@@ -40,7 +40,8 @@ def test_a_conv_stem_tower_saves_and_loads_and_refuses_a_linear_one(tmp_path):
     coord = torch.tensor([[y, x] for y in range(2) for x in range(3)])[None].expand(2, -1, -1)
     valid = torch.ones(2, 6, dtype=torch.bool)
     with torch.no_grad():
-        torch.testing.assert_close(loaded(patches, coord, valid).features_BLD, tower(patches, coord, valid).features_BLD)
+        want = tower(patches, coord, valid).features_BLD
+        torch.testing.assert_close(loaded(patches, coord, valid).features_BLD, want)
     with pytest.raises(ValueError, match="do not fit"):
         VisionTower(stem="linear", weights=path, **sizes)
 
