@@ -38,6 +38,19 @@ class PatchConvStem(nn.Module):
             nn.GELU(),
         )
         self.out = nn.Linear(4 * width * (patch_size // 4) ** 2, embed_dim)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Variance-preserving init (He for the convolutions, LeCun for the output), so that at init a patch's
+        embedding varies as much as timm's linear one does (std ~0.5 on normalised pixels). PyTorch's default
+        init shrinks each layer's output: with it the stem's embeddings started ~50x flatter than the linear
+        ones, and colour (read at once through the linear embedding) took hundreds of steps longer."""
+        for conv in self.convs:
+            if isinstance(conv, nn.Conv2d):
+                nn.init.kaiming_normal_(conv.weight, nonlinearity="relu")
+                nn.init.zeros_(conv.bias)
+        nn.init.normal_(self.out.weight, std=self.out.in_features**-0.5)
+        nn.init.zeros_(self.out.bias)
 
     def forward(self, patches_BNP: torch.Tensor) -> torch.Tensor:
         b, n, _ = patches_BNP.shape
