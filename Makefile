@@ -45,6 +45,9 @@ test: venv
 DEMO_DATA := data/demo
 DEMO_RUN := runs/demo
 STAGE2 := scripts/configs/stage2.yaml
+# Extra `--set` overrides for stage 1 (stage 2 inherits its model from the stage-1 export), e.g. the conv stem:
+# make demo STAGE1_SET="--set model.overrides.vision_stem=conv"  (one-object colour 1.00, ~21 min; docs/seeing.md)
+STAGE1_SET ?=
 TASK_SAMPLES := 1500
 EVAL_LIMIT := 200
 EVAL_TASKS := cmoe_sceneqa_one,cmoe_sceneqa,cmoe_refloc,cmoe_niah,cmoe_longdoc
@@ -68,7 +71,7 @@ demo: venv
 		--synthetic scenes_chat,documents_chat,needles_chat --option min_units=4 --option max_units=9 \
 		--out $(DEMO_DATA)/tasks --num-samples $(TASK_SAMPLES) --seed 0 --max-count 250
 	rm -rf $(DEMO_RUN)
-	$(DS) --config scripts/configs/stage1.yaml --out $(DEMO_RUN)/stage1
+	$(DS) --config scripts/configs/stage1.yaml --out $(DEMO_RUN)/stage1 $(STAGE1_SET)
 	$(DS) --config $(STAGE2) --out $(DEMO_RUN)/stage2 --set model.init_from=$(DEMO_RUN)/stage1/hf
 	$(BIN)/python scripts/r_report.py $(DEMO_RUN)/stage2
 	test -f $(EVAL_DIR)/cmoe_sceneqa_one/data/test.jsonl || $(BIN)/python scripts/make_eval_data.py \
