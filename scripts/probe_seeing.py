@@ -34,20 +34,17 @@ def parse_stage(text: str) -> Stage:
         raise argparse.ArgumentTypeError(f"--stage {text!r}: expected START:MAX_OBJECTS[:LOW-HIGH]") from None
 
 
-def parse_size(text: str) -> tuple[float, float]:
-    low, sep, high = text.partition("-")
-    try:
-        return float(low), float(high)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected LOW-HIGH, e.g. 0.12-0.42") from None
+def parse_range(cast, example: str):
+    """An argparse type: ``LOW-HIGH`` as a pair of ``cast`` values (a malformed one: a one-line usage error)."""
 
+    def parse(text: str) -> tuple:
+        low, _, high = text.partition("-")
+        try:
+            return cast(low), cast(high)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected LOW-HIGH, e.g. {example}") from None
 
-def parse_units(text: str) -> tuple[int, int]:
-    low, sep, high = text.partition("-")
-    try:
-        return int(low), int(high)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected LOW-HIGH, e.g. 1-3") from None
+    return parse
 
 
 def main(argv=None) -> int:
@@ -61,8 +58,9 @@ def main(argv=None) -> int:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument("--caption-share", type=float, default=0.0, help="share of captioned scenes in training")
-    parser.add_argument("--eval-size", type=parse_size, help="held-out shapes' side LOW-HIGH (default: generator's)")
-    parser.add_argument("--needle-units", type=parse_units, default=defaults.needle_units,
+    parser.add_argument("--eval-size", type=parse_range(float, "0.12-0.42"),
+                        help="held-out shapes' side LOW-HIGH (default: generator's)")  # fmt: skip
+    parser.add_argument("--needle-units", type=parse_range(int, "1-3"), default=defaults.needle_units,
                         help="needle type: haystack units LOW-HIGH (default 1-3)")  # fmt: skip
     parser.add_argument("--needle-modalities", default="text", help="needle type: text, image or text,image")
     parser.add_argument("--out", type=Path, help="append the JSON lines to this file")
