@@ -29,7 +29,7 @@ VLM_RULES: tuple[Rule, ...] = (
                "must name a timm NaFlexViT ('naflexvit_*') or ViT ('vit_*') model"),
     field_rule("vision_stem", lambda v: v in STEMS, f"allowed values are {', '.join(STEMS)}"),
     Rule("vision_stem", lambda c: c.vision_stem != "conv" or (c.vision_model.startswith("naflexvit")
-         and not c.vision_pretrained and (c.patch_size or 16) % 4 == 0),
+         and not c.vision_pretrained and (c.patch_size is None or c.patch_size % 4 == 0)),
          "'conv' needs a naflexvit vision_model, no vision_pretrained and a patch_size divisible by 4"),
 )  # fmt: skip
 
@@ -109,6 +109,13 @@ class ConceptMoEVLMConfig(PretrainedConfig):
         self.bos_token_id, self.eos_token_id, self.pad_token_id = bos_token_id, eos_token_id, pad_token_id
         super().__init__(**kwargs)
         self.validate_fields()
+
+    def tower_kwargs(self) -> dict:
+        """The tower's architecture as ``VisionTower`` keyword arguments (no weights): what the VLM and the vision
+        pretrainer build from."""
+        return dict(model_name=self.vision_model, embed_dim=self.vision_embed_dim, depth=self.vision_depth,
+                    num_heads=self.vision_heads, patch_size=self.patch_size, pos_embed=self.vision_pos_embed,
+                    stem=self.vision_stem)  # fmt: skip
 
     def validate_fields(self) -> None:
         """Raise ``ValueError`` naming the first invalid field and its allowed values (the rules in ``VLM_RULES``)."""

@@ -51,15 +51,7 @@ class ConceptMoEVLM(PreTrainedModel, ConceptMoEGenerationMixin):
         config = copy.deepcopy(config)  # __init__ records where the tower came from: never in the caller's object
         super().__init__(config)
         self.vision_tower = VisionTower(
-            model_name=config.vision_model,
-            embed_dim=config.vision_embed_dim,
-            depth=config.vision_depth,
-            num_heads=config.vision_heads,
-            patch_size=config.patch_size,
-            pos_embed=config.vision_pos_embed,
-            stem=config.vision_stem,
-            weights=config.vision_weights,
-            pretrained=config.vision_pretrained,
+            **config.tower_kwargs(), weights=config.vision_weights, pretrained=config.vision_pretrained
         )
         for module in self.vision_tower.modules():  # timm initialised (or loaded) it: never re-init
             module._is_hf_initialized = True

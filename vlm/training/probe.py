@@ -131,8 +131,9 @@ def check_config(cfg: ProbeConfig) -> None:
         raise ValueError(f"stages must start at step 0, in increasing order, got starts {starts}")
     for s in [*cfg.stages, Stage(0, cfg.eval_objects, cfg.eval_size)]:
         next(synthetic.generate("scenes", 1, 0, max_objects=s.max_objects, object_size=s.object_size))
-    low, high = cfg.needle_units
-    next(synthetic.generate("needles", 1, 0, min_units=low, max_units=high, modalities=cfg.needle_modalities))
+    if "needle" in cfg.types:  # only a probe that draws needles pays for drawing one here
+        low, high = cfg.needle_units
+        next(synthetic.generate("needles", 1, 0, min_units=low, max_units=high, modalities=cfg.needle_modalities))
     if not 0.0 <= cfg.caption_share < 1.0:
         raise ValueError(f"caption_share must be in [0, 1), got {cfg.caption_share}")
     if min(cfg.steps, cfg.rows, cfg.eval_every, cfg.eval_n) < 1:

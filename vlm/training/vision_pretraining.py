@@ -56,13 +56,14 @@ class VisionPretrainConfig:
     seed: int = 0
     overwrite: bool = False  # replace an existing ``out``; otherwise an existing file is refused before training
 
-    def tower_fields(self) -> dict:
+    def tower_config(self) -> ConceptMoEVLMConfig:
+        """The VLM config of the tower trained here: the preset's, with ``tower`` overrides (its defaults and
+        checks are the VLM's own)."""
         if self.preset not in VISION_PRESETS:
             raise ValueError(f"preset must be one of {sorted(VISION_PRESETS)}, got {self.preset!r}")
         if unknown := sorted(set(self.tower) - set(TOWER_FIELDS)):
             raise ValueError(f"unknown tower field(s) {unknown}; allowed: {list(TOWER_FIELDS)}")
-        config = ConceptMoEVLMConfig.from_preset(self.preset, **self.tower)  # the VLM's own defaults and checks
-        return {name: getattr(config, name) for name in TOWER_FIELDS}
+        return ConceptMoEVLMConfig.from_preset(self.preset, **self.tower)
 
     def check(self) -> None:
         if not str(self.out).endswith(".safetensors"):
@@ -71,7 +72,7 @@ class VisionPretrainConfig:
             raise ValueError(f"out {str(self.out)!r} exists; choose another path or pass overwrite (--overwrite)")
         if self.batch_size < 2 or self.steps < 1 or self.warmup < 1:
             raise ValueError("batch_size must be >= 2, steps >= 1 and warmup >= 1")
-        self.tower_fields()
+        self.tower_config()
 
 
 def read_pairs(shards, tokenizer, max_tokens: int, skipped: Counter, warn: Callable[[str], None] = print) -> list[Pair]:
@@ -126,14 +127,12 @@ def pretrain_vision(cfg: VisionPretrainConfig, log: Callable[[str], None] = prin
     t0 = time.time()
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
-    fields = cfg.tower_fields()
-    tower = VisionTower(
-        fields["vision_model"], fields["vision_embed_dim"], fields["vision_depth"], fields["vision_heads"],
-        fields["patch_size"], fields["vision_pos_embed"], stem=fields["vision_stem"],
-    )  # fmt: skip
+    tower_config = cfg.tower_config()
+    fields = {name: getattr(tower_config, name) for name in TOWER_FIELDS}
+    tower = VisionTower(**tower_config.tower_kwargs())
     tokenizer = load_tokenizer()
     model = ContrastivePretrainer(tower, len(tokenizer))
-    processor = ImageProcessor(fields["patch_size"], cfg.max_patches, cfg.pixel_shuffle)
+    processor = ImageProcessor(tower.patch_size, cfg.max_patches, cfg.pixel_shuffle)
     pad, skipped = pad_id(tokenizer), Counter()
     train = read_pairs(cfg.shards, tokenizer, model.text.max_len, skipped, log)
     held_out = read_pairs(cfg.eval_shards, tokenizer, model.text.max_len, skipped, log) if cfg.eval_shards else []
