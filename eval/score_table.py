@@ -16,8 +16,10 @@ Reads, under ``EVAL_OUTPUT_DIR`` (lmms-eval's ``--output_path``):
   number, or cmoe_sceneqa's typed ``{"score", "type"}`` items, counted under ``acc_<type>``); empty otherwise.
 
 Writes ``score_table.md`` (the markdown table) and ``score_table.json`` (the same rows) into ``EVAL_OUTPUT_DIR``
-and returns the markdown. Metrics the results report as NaN (a bucket without docs) are left out. The chance
-levels are those of the full eval set: a ``--limit`` run scores a subset of it.
+and returns the markdown. When the results name a local model folder (lmms-eval's ``pretrained=DIR``) whose model
+card this toolkit wrote (``vlm.model_card``), the card's evaluation section becomes this table. Metrics the
+results report as NaN (a bucket without docs) are left out. The chance levels are those of the full eval set: a
+``--limit`` run scores a subset of it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pathlib import Path
 
 from eval.eval_data import DEFAULT_OUT
 from eval.r_report_io import SAMPLE_LOG, SAMPLE_LOG_SKIP, ReportInputError, _num, _read_results
+from vlm.model_card import set_scores
 
 logger = logging.getLogger(__name__)
 
@@ -130,18 +133,36 @@ def sample_counts(eval_dir: Path) -> dict[str, dict[str, tuple[int, int]]]:
     return out
 
 
+def results_file(eval_dir: str | Path) -> Path:
+    """The newest lmms-eval ``*_results.json`` under ``eval_dir``."""
+    eval_dir = Path(eval_dir)
+    if not eval_dir.is_dir():
+        raise ReportInputError(f"{eval_dir}: no such folder")
+    found = newest(p for p in eval_dir.rglob("*_results.json") if p.is_file())
+    if found is None:
+        raise ReportInputError(f"{eval_dir}: no lmms-eval *_results.json under this folder")
+    return found
+
+
+def model_folder(results_path: Path) -> Path | None:
+    """The local folder lmms-eval loaded (``pretrained=DIR`` in the results' ``model_args``), or None."""
+    args = (_read_json(results_path) or {}).get("config", {}).get("model_args")
+    if isinstance(args, dict):
+        folder = args.get("pretrained")
+    else:
+        pairs = dict(part.split("=", 1) for part in str(args or "").split(",") if "=" in part)
+        folder = pairs.get("pretrained")
+    return Path(folder) if folder and Path(folder).is_dir() else None
+
+
 def rows(eval_dir: str | Path, tasks_dir: str | Path = DEFAULT_OUT) -> list[dict]:
     """One row per (task, metric) of the newest results file: score, chance, R total / text / image."""
     eval_dir, tasks_dir = Path(eval_dir), Path(tasks_dir)
-    if not eval_dir.is_dir():
-        raise ReportInputError(f"{eval_dir}: no such folder")
-    results_file = newest(p for p in eval_dir.rglob("*_results.json") if p.is_file())
-    if results_file is None:
-        raise ReportInputError(f"{eval_dir}: no lmms-eval *_results.json under this folder")
-    results = _read_results(results_file)
+    found = results_file(eval_dir)
+    results = _read_results(found)
     if not results:
-        raise ReportInputError(f"{results_file}: no task scores")
-    logger.info("scores from %s", results_file)
+        raise ReportInputError(f"{found}: no task scores")
+    logger.info("scores from %s", found)
     r, counts = task_r(eval_dir), sample_counts(eval_dir)
     out = []
     for task in sorted(results):
@@ -192,4 +213,14 @@ def write_table(eval_dir: str | Path, tasks_dir: str | Path = DEFAULT_OUT, out: 
     md_path.parent.mkdir(parents=True, exist_ok=True)
     md_path.write_text(text, encoding="utf-8")
     md_path.with_suffix(".json").write_text(json.dumps(table, indent=1, allow_nan=False) + "\n", encoding="utf-8")
+    folder = model_folder(results_file(eval_dir))
+    if folder is not None and set_scores(folder, CARD_NOTE + text):
+        logger.info("model card %s/README.md: evaluation section updated", folder)
     return text
+
+
+CARD_NOTE = (
+    "Scored with lmms-eval through the ConceptMoE-VLM plugin. chance: the best constant answer's score on the same "
+    "items; p: the one-sided binomial tail of a model that only knows that answer; R: tokens per concept in eval "
+    "mode, per modality.\n\n"
+)

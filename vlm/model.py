@@ -25,6 +25,7 @@ from vlm.backbone.decoding import ConceptMoEGenerationMixin
 from vlm.backbone.model import ConceptMoEForCausalLM
 from vlm.backbone.outputs import ConceptMoECausalLMOutput
 from vlm.config import ConceptMoEVLMConfig
+from vlm.hub_code import HubCodeMixin
 from vlm.image_scan import REORDERING, neighbour_offsets, reorder_image_tokens, row_ends, token_grids
 
 
@@ -42,8 +43,9 @@ def scatter_to_slots(slots_BN: torch.Tensor, values_T: torch.Tensor, fill_BN: to
     return out
 
 
-class ConceptMoEVLM(PreTrainedModel, ConceptMoEGenerationMixin):
+class ConceptMoEVLM(HubCodeMixin, PreTrainedModel, ConceptMoEGenerationMixin):
     config_class = ConceptMoEVLMConfig
+    _hub_auto_map = {"AutoModel": "ConceptMoEVLM", "AutoModelForImageTextToText": "ConceptMoEVLM"}  # vlm.hub_code
     base_model_prefix = ""
     _no_split_modules = ["Block"]
 

@@ -28,6 +28,7 @@ from transformers.utils import PROCESSOR_NAME
 from data_pipelines.chat import CHAT_TEMPLATE, CHAT_TOKENS, END_OF_TURN
 from data_pipelines.tokenizer import IMAGE_TOKEN, pad_id, special_affixes
 from vision_tower import ImageProcessor
+from vlm.hub_code import add_auto_map, auto_map_entry, write_code
 
 LEGACY_PROCESSOR_FILE = "vlm_processor_config.json"  # what save_pretrained wrote before processor_config.json
 
@@ -157,6 +158,21 @@ class VLMProcessor(ProcessorMixin):
         modality_ids = ((input_ids == self.image_token_id) & attention_mask.bool()).long()
         data = {"input_ids": input_ids, "attention_mask": attention_mask, "modality_ids": modality_ids, **pixel}
         return BatchFeature(data=data)
+
+    def save_pretrained(self, save_directory: str | os.PathLike, push_to_hub: bool = False, **kwargs) -> list[str]:
+        """``ProcessorMixin.save_pretrained``, plus the code and ``auto_map`` entries that let ``AutoProcessor``
+        load the folder without this repository (``trust_remote_code=True``; ``vlm.hub_code``)."""
+        if push_to_hub:
+            raise ValueError(
+                "save_pretrained(push_to_hub=True) would upload before the processor's code is written: "
+                "use processor.push_to_hub(repo_id), or save to a folder and upload it"
+            )
+        out = super().save_pretrained(save_directory, **kwargs)
+        write_code(save_directory, [type(self).__module__, type(self.image_processor).__module__])
+        config = os.path.join(str(save_directory), PROCESSOR_NAME)
+        add_auto_map(config, {"AutoProcessor": auto_map_entry(type(self))})
+        add_auto_map(config, {"AutoImageProcessor": auto_map_entry(type(self.image_processor))}, "image_processor")
+        return out
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, **kwargs) -> VLMProcessor:

@@ -106,3 +106,22 @@ def test_n_and_binomial_p_from_the_sample_logs_for_0_1_metrics_only(folders):
     assert got["cmoe_sceneqa", "acc_count"]["p"] == pytest.approx(6 * 0.3**5 * 0.7 + 0.3**6)
     assert got["cmoe_refloc", "IoU"]["n"] is None and got["cmoe_refloc", "IoU"]["p"] is None
     assert binomial_tail(0, 5, 0.5) == 1.0 and binomial_tail(3, 3, 0.5) == pytest.approx(0.125)
+
+
+def test_table_goes_into_the_scored_exports_model_card(folders, tmp_path):
+    from vlm.config import ConceptMoEVLMConfig
+    from vlm.model_card import write_card
+
+    out, tasks = folders
+    export = tmp_path / "export"
+    export.mkdir()
+    write_card(export, ConceptMoEVLMConfig.from_preset("tiny"), 10, "x")
+    newest = out / "runs__demo__hf" / "20250102_000000_results.json"
+    data = json.loads(newest.read_text())
+    data["config"] = {"model_args": f"pretrained={export},max_new_tokens=16"}
+    newest.write_text(json.dumps(data))
+    os.utime(newest, (2_000, 2_000))
+    text = write_table(out, tasks)
+    card = (export / "README.md").read_text()
+    assert text in card and "chance: the best constant answer" in card
+    assert card.index("## Evaluation") < card.index(text) < card.index("## How to load")

@@ -2,6 +2,7 @@
 old processor, the chat template, and an exported model through AutoProcessor + AutoModelForImageTextToText,
 ``generate`` and ``pipeline("image-text-to-text")``."""
 
+import io
 import json
 
 import pytest
@@ -9,8 +10,11 @@ import torch
 from PIL import Image
 from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoProcessor, pipeline
 
+from data_pipelines import prompts
 from data_pipelines.chat import CHAT_TEMPLATE, END_OF_TURN, ROLE_TOKENS, render
+from data_pipelines.packing import TokenEncoder, encode_conversation
 from data_pipelines.schema import Segment, Turn
+from data_pipelines.synthetic import conversations
 from data_pipelines.tokenizer import load_tokenizer
 from vision_tower import ImageProcessor
 from vlm import ConceptMoEVLM, ConceptMoEVLMConfig
@@ -52,10 +56,12 @@ def turns():
 
 def test_save_and_load_through_the_auto_classes(processor, tmp_path):
     processor.save_pretrained(tmp_path)
-    assert {p.name for p in tmp_path.iterdir()} == PROCESSOR_FILES
+    assert {p.name for p in tmp_path.iterdir() if p.suffix != ".py"} == PROCESSOR_FILES
+    assert {"vlm_processor.py", "vision_tower_image_processor.py"} <= {p.name for p in tmp_path.glob("*.py")}
     saved = json.loads((tmp_path / "processor_config.json").read_text())
     assert saved["processor_class"] == "VLMProcessor"
-    assert saved["image_processor"] == processor.image_processor.to_dict()  # transformers 5 nests it here
+    auto_map = {"auto_map": {"AutoImageProcessor": "vision_tower_image_processor.ImageProcessor"}}  # vlm.hub_code
+    assert saved["image_processor"] == processor.image_processor.to_dict() | auto_map  # transformers 5 nests it here
     assert (tmp_path / "chat_template.jinja").read_text() == CHAT_TEMPLATE
 
     loaded = AutoProcessor.from_pretrained(tmp_path)
@@ -130,6 +136,43 @@ def test_apply_chat_template_is_render_and_its_tokens_are_special(processor):
         conversation(images), add_generation_prompt=True, tokenize=True, return_dict=True
     )
     assert all(torch.equal(direct[k], batch[k]) for k in batch)
+
+
+def hf_parts(sample) -> list[dict]:
+    """A training conversation's user turn as HF message parts, as a user writes them: one ``{"type": "image"}``
+    per image, then the question and instruction, with no newline of their own."""
+    meta, images = sample.meta, sum(seg.image is not None for seg in sample.turns[0].segments)
+    question, instruction = {
+        "sceneqa": (meta["question"], prompts.SCENEQA_INSTRUCTION),
+        "refloc": (meta["question"], prompts.REFLOC_INSTRUCTION),
+        "longdoc": (meta["question"], prompts.LONGDOC_INSTRUCTION),
+    }[meta["task"]]
+    return [{"type": "image"}] * images + [{"type": "text", "text": f"{question}\n{instruction}"}]
+
+
+@pytest.mark.parametrize("kind", ["scenes_chat", "documents_chat"])
+def test_hf_image_then_text_messages_give_the_training_conversations_ids(processor, kind):
+    """``[{"type": "image"}, {"type": "text", "text": QUESTION}]`` renders ``<image>\\nQUESTION`` as the training
+    prompts do (data_pipelines.prompts), so the prompt of a chat message is token for token the training
+    conversation's (encode_conversation) up to the answer: sceneqa, refloc (one image), longdoc (one per page)."""
+    seen = set()
+    n, options = (8, {}) if kind == "scenes_chat" else (2, {"max_pages": 2})
+    for sample in conversations.generate(kind, n, seed=0, split="eval", **options):
+        images = [Image.open(io.BytesIO(seg.image)) for seg in sample.turns[0].segments if seg.image is not None]
+        answer = sample.turns[1].segments[0].text
+        messages = [{"role": "user", "content": hf_parts(sample)}, {"role": "assistant", "content": answer}]
+        inputs = processor(text=processor.apply_chat_template(messages), images=images)
+        enc = TokenEncoder(processor.tokenizer)
+        doc = encode_conversation(sample, enc, processor.image_processor, processor.image_token_id)
+        ids, n = inputs["input_ids"][0].tolist(), inputs["input_ids"].shape[1] - len(processor.suffix_ids)
+        assert doc.input_ids == ids[:n] + enc.closing(), sample.meta  # a training document also ends with eos
+        assert doc.modality_ids[:n] == inputs["modality_ids"][0].tolist()[:n]
+        seen.add((sample.meta["task"], len(images)))
+    assert seen >= ({("sceneqa", 1), ("refloc", 1)} if kind == "scenes_chat" else {("longdoc", 2)})
+    # a part that brings its own newline gets none added; an image with nothing after it none either
+    parts = [{"type": "text", "text": "A "}, {"type": "image"}, {"type": "text", "text": "\nB"}, {"type": "image"}]
+    rendered = processor.apply_chat_template([{"role": "user", "content": parts}], tokenize=False)
+    assert rendered == f"{ROLE_TOKENS['user']}A <image>\nB<image>{END_OF_TURN}"
 
 
 @pytest.fixture(scope="module")

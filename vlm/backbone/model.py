@@ -27,6 +27,7 @@ from vlm.backbone.decoding import ConceptMoEGenerationMixin, check_prefill, deco
 from vlm.backbone.layers import RMSNorm, SeqLayout, make_layout
 from vlm.backbone.moe import MoE
 from vlm.backbone.outputs import BackboneOutput, ConceptMoECausalLMOutput, chunk_statistics
+from vlm.hub_code import HubCodeMixin
 
 
 def doc_ids_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
@@ -34,8 +35,9 @@ def doc_ids_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.cumsum((position_ids == 0).long(), dim=1)
 
 
-class ConceptMoEPreTrainedModel(PreTrainedModel):
+class ConceptMoEPreTrainedModel(HubCodeMixin, PreTrainedModel):
     config_class = ConceptMoEConfig
+    _hub_auto_map = {"AutoModel": "ConceptMoEModel"}  # save_pretrained writes the code too (vlm.hub_code)
     base_model_prefix = "model"
     supports_gradient_checkpointing = False
     _no_split_modules = ["Block"]
@@ -220,6 +222,7 @@ class ConceptMoEModel(ConceptMoEPreTrainedModel):
 
 
 class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, ConceptMoEGenerationMixin):
+    _hub_auto_map = {"AutoModel": "ConceptMoEModel", "AutoModelForCausalLM": "ConceptMoEForCausalLM"}
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: ConceptMoEConfig):

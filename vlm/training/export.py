@@ -1,7 +1,9 @@
 """Export a checkpoint to one HF folder: ``ConceptMoEVLM.save_pretrained`` + ``VLMProcessor.save_pretrained``
 (``config.json``, ``generation_config.json``, ``model.safetensors``, the tokenizer's files, ``processor_config.json``,
-``chat_template.jinja``); after ``import vlm`` it loads with ``AutoProcessor`` / ``AutoModelForImageTextToText`` or
-``pipeline("image-text-to-text", model=DIR)``.
+``chat_template.jinja``), the model's own code (``vlm.hub_code``) and a model card (``README.md``,
+``vlm.model_card``: architecture, ConceptMoE settings, what the run trained on, R per modality). It loads with
+``AutoProcessor`` / ``AutoModelForImageTextToText`` or ``pipeline("image-text-to-text", model=DIR)``, anywhere with
+``trust_remote_code=True``, and without it after ``import vlm``.
 
 Works for every ZeRO stage: the full fp32 weights are gathered from the checkpoint files
 (``deepspeed.utils.zero_to_fp32``), in one process, no launcher needed.
@@ -12,10 +14,12 @@ Works for every ZeRO stage: the full fp32 weights are gathered from the checkpoi
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
 
+from vlm.model_card import write_card
 from vlm.training import checkpoint
 from vlm.training.build import build_model
 from vlm.training.checkpoint import CheckpointError
@@ -40,6 +44,45 @@ def full_state_dict(root: str, tag: str) -> dict:
             if states.get("param_shapes") is None:  # stage 0: the module's own state dict
                 return states["module"]
         return get_fp32_state_dict_from_zero_checkpoint(root, tag=tag)
+
+
+def training_summary(run_dir: str, config: dict, tag: str) -> dict:
+    """What the run did, for the model card: its data and schedule (``config``), the step of ``tag``, and the last
+    training and held-out R per modality and held-out loss logged up to that step (``metrics.jsonl``)."""
+    data, train = config["data"], config["train"]
+    step = int(tag.rsplit("_", 1)[-1]) if tag.rsplit("_", 1)[-1].isdigit() else None
+    summary = {
+        "init_from": config["model"].get("init_from"),
+        "steps": step,
+        "shards": list(data["shards"]) if isinstance(data["shards"], list) else [data["shards"]],
+        "eval_shards": data["eval_shards"] if isinstance(data["eval_shards"], list) else [],
+        "seq_len": data["seq_len"],
+        "lr": train["lr"],
+        "loss_on": data["loss_on"],
+    }
+    ds_config = os.path.join(run_dir, "ds_config.json")
+    if os.path.isfile(ds_config):
+        with open(ds_config) as f:
+            summary["rows_per_step"] = json.load(f).get("train_batch_size")
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.isfile(metrics):
+        with open(metrics) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue  # a line cut by a crash
+                if step is not None and row.get("step", 0) > step:
+                    continue
+                if row.get("split") == "eval":
+                    summary["eval_r"] = {k: row.get(f"eval_r{s}") for k, s in R_KEYS}
+                    summary["eval_loss"] = row.get("eval_loss")
+                elif "r" in row:
+                    summary["train_r"] = {k: row.get(f"r{s}") for k, s in R_KEYS}
+    return summary
+
+
+R_KEYS = (("total", ""), ("text", "_text"), ("image", "_image"))
 
 
 def export_checkpoint(run_dir: str, out_dir: str, tag: str | None = None) -> str:
@@ -67,6 +110,9 @@ def export_checkpoint(run_dir: str, out_dir: str, tag: str | None = None) -> str
     model.set_special_token_ids(**processor.special_token_ids)
     model.save_pretrained(out_dir)
     processor.save_pretrained(out_dir)
+    n_params = sum(p.numel() for p in model.parameters())
+    name = f"ConceptMoE-VLM `{config['model']['preset']}`, {os.path.normpath(run_dir)} at {tag}"
+    write_card(out_dir, model.config, n_params, name, training_summary(run_dir, config, tag))
     log.info("exported %s/%s to %s", root, tag, out_dir)
     return out_dir
 

@@ -106,6 +106,11 @@ def test_zero3_save_load_and_export_reloads(shards, tmp_path):
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "modality_ids")}
     with torch.no_grad():
         assert torch.equal(model.eval()(**inputs).logits, reloaded(**inputs).logits)
+    # the export's model card: what the run was (vlm.model_card; loading elsewhere: tests/vlm/test_hub_code.py)
+    card = (tmp_path / "hf" / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: transformers\npipeline_tag: image-text-to-text\n")
+    assert "at step_00000003" in card and "| steps | 3 |" in card and "vlm_model.ConceptMoEVLM" not in card
+    assert "auto_map" in (tmp_path / "hf" / "config.json").read_text()
 
 
 @pytest.mark.parametrize("launcher", ["python", "deepspeed"])
