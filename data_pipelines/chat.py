@@ -13,7 +13,12 @@ the labels of a training conversation cover exactly the assistant turns' content
 
 ``CHAT_TEMPLATE`` is the same rule as a Jinja string (HF's ``apply_chat_template`` format: ``messages`` with
 ``content`` a string or a list of ``{"type": "text", "text": ...}`` / ``{"type": "image"}`` parts); it is saved
-with the processor and can be edited there.
+with the processor and can be edited there. A content string is taken as it is. In a list of parts, an image part
+followed by another part gets a newline after its ``<image>`` unless that part is text starting with one: the
+training prompts (``data_pipelines.prompts``: ``<image>\nQUESTION...``, one ``<image>\n`` per page) put a newline
+after every image, so ``[{"type": "image"}, {"type": "text", "text": QUESTION}]`` renders to the same string, and
+ids, as the training conversation. Turn segments already hold that newline in their text (``prompts.segments``), so
+:func:`render` joins them as they are.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ CHAT_TEMPLATE = (
     "{%- if message['content'] is string -%}{{- message['content'] -}}"
     "{%- else -%}{%- for part in message['content'] -%}"
     "{%- if part['type'] == 'image' -%}{{- '" + IMAGE_TOKEN + "' -}}"
+    # the training prompts' newline after an image (data_pipelines.prompts), unless the next part brings its own
+    "{%- if loop.nextitem is defined and (loop.nextitem['type'] != 'text' or loop.nextitem['text'][:1] != '\\n')"
+    " -%}{{- '\\n' -}}{%- endif -%}"
     "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
     "{%- endfor -%}{%- endif -%}"
     "{{- '" + END_OF_TURN + "' -}}"

@@ -67,6 +67,18 @@ class ImageConcepts:
     concept_ids: list[int]  # the concepts present, ascending (no -1)
     image: Image.Image | None = None  # the original resized to ``size`` (or rebuilt from the patches)
 
+    @property
+    def tokens(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+    @property
+    def concepts(self) -> int:
+        """The image's concepts as R counts them: those whose boundary token is one of its slots (a concept belongs
+        to the modality of its boundary token, ``chunk_statistics``), so that summed over the images this is the
+        forward's ``concepts_by_modality[IMAGE]``. ``concept_ids`` also holds the concepts that merely touch the
+        image: one opened by text before it, or one still open at its last slot that text closes."""
+        return int(self.b_HW.sum())
+
 
 @dataclass
 class ConceptMap:

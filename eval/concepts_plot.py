@@ -3,7 +3,8 @@
 PNG, top to bottom: the R legend (total / text / image R with counts and mean p, the open tail, the image scan
 order); the token row, text tokens on a background that alternates per concept (ConceptMoE, arXiv 2601.21420, §3.2:
 a concept is the tokens up to and including its boundary token), a red bar after every boundary token, the open tail
-grey, each image's slots as one box ``[image i: k tokens, c concepts]`` coloured like its regions; under every token
+grey, each image's slots as one box ``[image i: k tokens, c concepts]`` coloured like its regions (c: the
+concepts whose boundary is one of its slots, the legend's and R's count, ``ImageConcepts.concepts``); under every token
 its boundary probability p as a bar (dashed line: the 0.5 threshold). Then per image: the image as the model sees it
 (resized by the image processor) with the token grid, the concept regions filled in a cycling qualitative palette with
 thick borders between concepts, and p per cell with the boundaries and the scan path (``vlm.image_scan``). The HTML
@@ -59,6 +60,12 @@ def summary_lines(cmap: ConceptMap) -> list[str]:
     ]
 
 
+def image_label(img: ImageConcepts) -> str:
+    """The image's box in the token strip; its counts are the legend's (``ImageConcepts.concepts``: the concepts
+    closing on the image's slots, as R counts them), so that the boxes' counts sum to the legend's image counts."""
+    return f"[image {img.index + 1}: {img.tokens} tokens, {img.concepts} concepts]"
+
+
 def region_colour(concept: int) -> tuple[float, float, float]:
     return PALETTE[concept % len(PALETTE)] if concept >= 0 else (0.6, 0.6, 0.6)
 
@@ -91,8 +98,7 @@ def _items(cmap: ConceptMap) -> list[tuple]:
         i, run = cmap.image_N[n], n
         while n < len(cmap.pieces) and cmap.image_N[n] == i:
             n += 1
-        concepts = len(set(cmap.concept_N[run:n].tolist()) - {-1})
-        items.append((run, n - 1, f"[image {i + 1}: {n - run} tokens, {concepts} concepts]"))
+        items.append((run, n - 1, image_label(cmap.images[i])))
     return items
 
 
@@ -164,10 +170,9 @@ def _draw_image(fig, box: tuple, cmap: ConceptMap, img: ImageConcepts) -> None:
     (h, w), s = img.grid, img.cell_px
     extent = (0, w * s, h * s, 0)
     axes = [fig.add_axes((left + width * k / 3, bottom, width / 3 * 0.86, height * 0.82)) for k in range(3)]
-    closing = int(img.b_HW.sum())
     titles = (
         f"image {img.index + 1}: {img.size[0]}x{img.size[1]} px as the model sees it\n{h}x{w} tokens of {s} px",
-        f"concepts present: {len(img.concept_ids)}, closing inside the image: {closing}\n"
+        f"concepts (closing inside, as R counts): {img.concepts}, regions drawn: {len(img.concept_ids)}\n"
         + ("grey stripes: open tail" if (img.labels_HW < 0).any() else "thick lines: concept borders"),
         f"boundary p per token (red box: boundary)\nline: scan order '{cmap.image_chunking}' from ▲",
     )

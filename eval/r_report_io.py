@@ -272,6 +272,23 @@ def load_records(path: str | Path) -> Records:
     return records
 
 
+def train_eval_r(records: Records) -> dict[str, list[tuple[float, float]]]:
+    """Held-out R per series (``r``, ``r_text``, ``r_image``) as (step, R) points, from a training log's eval records
+    (``vlm.training.step.evaluate``'s ``eval_r`` / ``eval_r_text`` / ``eval_r_image``; unprefixed keys or counts of a
+    ``"split": "eval"`` record are read like a step's). Records without a step or a finite R are left out."""
+    points: dict[str, list[tuple[float, float]]] = {key: [] for key in SERIES}
+    for rec in records.train_evals:
+        step = _num(rec.get("step"))
+        if step is None:
+            continue
+        prefixed = {k.removeprefix("eval_"): v for k, v in rec.items() if k.startswith("eval_")}
+        ratios = _ratios(rec | prefixed)
+        for key in SERIES:
+            if ratios[key] is not None:
+                points[key].append((step, ratios[key]))
+    return {key: sorted(pts) for key, pts in points.items()}
+
+
 def nonfinite_warning(records: Records) -> str | None:
     """One line naming the training steps / samples / eval records with a non-finite loss or R, or None."""
     steps = [s["step"] for s in records.steps if s["nonfinite"]]

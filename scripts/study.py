@@ -1,7 +1,7 @@
 """The compute-matched study of ConceptMoE (arXiv 2601.21420) in a VLM: every arm trained through
 scripts/train_vlm.py and evaluated through lmms-eval, one table, plots and a verdict per claim (docs/study.md).
 
-    python scripts/study.py --config scripts/configs/study.yaml [--out runs/study] [--budget-minutes M]
+    python scripts/study.py [--config scripts/configs/study.yaml] [--out runs/study] [--budget-minutes M]
         [--arms a,b,...] [--seeds N] [--jobs 2] [--quick] [--report-only] [--doc PATH] [--set key=value ...]
 
 The arms, claims and settings are in scripts/configs/study.yaml; the machinery in eval/study/ (eval/study/cli.py

@@ -1,6 +1,6 @@
 """The command line of the study (``scripts/study.py``, ``make study``).
 
-    python scripts/study.py --config scripts/configs/study.yaml [--out runs/study] [--budget-minutes M]
+    python scripts/study.py [--config scripts/configs/study.yaml] [--out runs/study] [--budget-minutes M]
         [--arms a,b,...] [--seeds N] [--jobs 2] [--quick] [--report-only] [--doc PATH] [--set key=value ...]
 
 Steps: the config (``eval.study.config``); the arms, matched and their match reports printed, any arm not
@@ -20,10 +20,12 @@ from pathlib import Path
 from eval.study.arms import ArmError, build_arms, format_report
 from eval.study.config import StudyConfigError, load_study_config, select_arms
 
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "scripts" / "configs" / "study.yaml"  # the main study
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", required=True, help="the study YAML (scripts/configs/study.yaml)")
+    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="the study YAML (default: scripts/configs/study.yaml)")
     p.add_argument("--out", default=None, help="output folder (default: the config's out; --quick: its quick.out)")
     p.add_argument("--budget-minutes", type=float, default=None, help="start no run after this many minutes")
     p.add_argument("--arms", default=None, help="comma-separated arms (default: all; the baseline always runs)")

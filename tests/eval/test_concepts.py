@@ -187,3 +187,23 @@ def test_cli_reads_a_shard_sample_and_refuses_bad_input_in_one_line(saved, capsy
         errors = [line for line in err.splitlines() if line.startswith("show_concepts: error:")]
         assert code == 2 and len(errors) == 1 and re.search(message, errors[0]), err
         assert not (saved / "bad.png").exists()
+
+
+def test_cli_legend_and_token_strip_count_an_images_concepts_alike(saved, capsys):
+    """The legend's image counts (the forward's ``concepts_by_modality``: concepts whose boundary is an image slot)
+    and the strip's ``[image 1: k tokens, c concepts]`` box are one count, also when a concept opened in the image
+    is closed by the text after it (which the strip once counted too: 16 tokens / 4 concepts vs 5 concepts)."""
+    text = "<image>What is it?"
+    page = saved / "agree.html"
+    code, _, err = run_cli(["--model", saved / "chunked", "--image", saved / "img0.png", "--text", text, "--out",
+                            page.with_suffix(".png"), "--html"], capsys)  # fmt: skip
+    assert code == 0, err
+    html_text = page.read_text()
+    legend = re.search(r"image R \S+ \((\d+) tokens / (\d+) concepts", html_text).groups()
+    strip = re.findall(r"\[image 1: (\d+) tokens, (\d+) concepts\]", html_text)
+    assert strip == [legend]
+    model, processor = ConceptMoEVLM.from_pretrained(saved / "chunked"), VLMProcessor.from_pretrained(saved / "chunked")
+    cmap = concept_map(model, processor, text, [saved / "img0.png"])
+    (img,) = cmap.images
+    assert legend == (str(img.tokens), str(img.concepts)) == ("16", str(cmap.stats["concepts_by_modality"][1]))
+    assert len(img.concept_ids) > img.concepts  # a concept crosses into the text: the case the two counts split on

@@ -158,3 +158,20 @@ def test_shipped_study_configs_load_and_match(name):
     bad = {**cfg["arms"][1], "vlm": {"image_chunking": "spiral"}}
     with pytest.raises(ArmError, match="image_chunking='spiral' is invalid"):
         build_arms(cfg, [cfg["arms"][0], bad])
+
+
+def test_quick_without_config_uses_the_shipped_study(tmp_path, monkeypatch, capsys):
+    """``scripts/study.py --quick`` needs no ``--config``: the default is scripts/configs/study.yaml, found from any
+    working directory, and resolves to the same study as naming it."""
+    from eval.study.cli import main, parse_args
+    from eval.study.config import load_study_config
+
+    monkeypatch.chdir(tmp_path)
+    args = parse_args(["--quick", "--out", str(tmp_path / "out")])
+    assert Path(args.config) == CONFIG and args.quick
+    resolved = load_study_config(args.config, args.set, quick=args.quick, out=args.out)
+    assert resolved == load_study_config(str(CONFIG), quick=True, out=str(tmp_path / "out"))
+    assert resolved["quick"] and resolved["out"] == str(tmp_path / "out")
+    # the command line gets as far as choosing arms from that config (an unknown arm: exit 2 before any run)
+    assert main(["--quick", "--out", str(tmp_path / "out"), "--arms", "nope"]) == 2
+    assert "--arms: unknown arm 'nope'; the study has moe," in capsys.readouterr().err
