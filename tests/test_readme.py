@@ -63,6 +63,7 @@ OUTPUT_NAMES = {
     "ds_config.json",  # a run's effective DeepSpeed config
     "rank_state_*.json",  # a checkpoint's per-rank state (docs/reliability.md)
     "*_results.json",  # lmms-eval's results file
+    "vlm_*.py",  # the flat code copies save_pretrained writes into an export (vlm/hub_code.py)
 }
 # Files outside this repository that the docs cite by name.
 EXTERNAL_NAMES = {"ConceptMoE_demo.py"}  # the paper authors' reference demo (docs/paper.md)
