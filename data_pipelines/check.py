@@ -13,8 +13,12 @@ Settings are the training run's: ``--config RUN.yaml`` (a training config: secti
 command line wins over the config. Shards may be paths, brace patterns, globs, folders, ``file:`` / ``pipe:`` /
 ``http(s)://`` specs.
 
-Exit status: 0 when at least one sample was read (skips are reported, not fatal); 1 when none could be read;
-2 for bad arguments (e.g. a pattern that matches no file, an unreadable config, a tokenizer folder that is not one).
+Exit status: 0 when at least one sample was read (skips are reported, not fatal); 1 when none could be read, or,
+with ``--strict``, when any sample was skipped (the skip line then ends ``--strict: failed``); 2 for bad arguments
+(e.g. a pattern that matches no file, an unreadable config, a tokenizer folder that is not one).
+
+Progress: a bar of the batches read (with the samples and skips so far) on stderr when it is a terminal;
+``--quiet`` drops it.
 
 Tokenizer: ``--tokenizer DIR`` (any HF tokenizer folder, or the config's ``data.tokenizer``), else the package's
 default tokenizer (``data_pipelines.tokenizer.load_tokenizer``), else, if that cannot be loaded, a byte-level count.
@@ -30,6 +34,7 @@ import sys
 import time
 
 import yaml
+from tqdm import tqdm
 
 from data_pipelines.loader import DATA_DEFAULTS, make_dataloader
 from data_pipelines.packing import LOSS_ON
@@ -85,9 +90,11 @@ def check_shards(
     split_documents: bool = DATA_DEFAULTS["split_documents"],
     num_workers: int = 0,
     loss_on: str = DATA_DEFAULTS["loss_on"],
+    show_progress: bool = False,
 ) -> dict:
     """Read every sample of ``shards`` once, as training would; returns the loader's counters plus ``shards``
-    (how many) and ``seconds`` (the time reading took)."""
+    (how many) and ``seconds`` (the time reading took). ``show_progress``: a tqdm bar on stderr when it is a
+    terminal."""
     start = time.perf_counter()
     tokenizer = tokenizer if tokenizer is not None else load_check_tokenizer(None)
     loader = make_dataloader(
@@ -103,8 +110,14 @@ def check_shards(
         split_documents=split_documents,
         loss_on=loss_on,
     )
-    for _ in loader:
-        pass
+    with tqdm(desc="checking", unit=" batches", disable=None if show_progress else True) as bar:
+        counted = lambda c: f"{c['samples']} samples, {sum(c['skipped'].values())} skipped"
+        for _ in loader:
+            bar.update()
+            if not bar.disable:
+                bar.set_postfix_str(counted(loader.stats()), refresh=False)
+        if not bar.disable:  # skips after the last batch too
+            bar.set_postfix_str(counted(loader.stats()))
     return {**loader.stats(), "shards": len(loader.cfg["shards"]), "seconds": round(time.perf_counter() - start, 3)}
 
 
@@ -114,6 +127,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--config", help="a training config (YAML): shards and data settings from its data section")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("-v", "--verbose", action="store_true", help="log every skipped sample (stderr)")
+    parser.add_argument("--strict", action="store_true", help="exit 1 when any sample was skipped")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--tokenizer", help="HF tokenizer folder (default: data.tokenizer, else the package's)")
     parser.add_argument("--image-processor", help="image processor folder, e.g. an export (default: defaults)")
     parser.add_argument("--seq-len", type=int, help=f"row length (default: data.seq_len, {DATA_DEFAULTS['seq_len']})")
@@ -144,10 +159,11 @@ def build_image_processor(path: str | None, max_patches: int):
     return ImageProcessor(max_patches=max_patches)
 
 
-def report_lines(stats: dict, seq_len: int, num_workers: int) -> list[str]:
-    """What was read, then the skips by kind: two lines."""
+def report_lines(stats: dict, seq_len: int, num_workers: int, strict: bool = False) -> list[str]:
+    """What was read, then the skips by kind (ending ``--strict: failed`` when ``strict`` and any): two lines."""
     skipped = {kind: n for kind, n in stats["skipped"].items() if n}
     kinds = " (" + ", ".join(f"{kind}: {n}" for kind, n in skipped.items()) + ")" if skipped else ""
+    kinds += "; --strict: failed" if strict and skipped else ""
     return [
         f"read {stats['samples']} samples, {stats['images']} images, {stats['text_tokens']} text tokens into "
         f"{stats['rows']} rows of {seq_len} ({stats['packing_efficiency']:.1%} filled) from {stats['shards']} "
@@ -182,6 +198,7 @@ def run_check(args: argparse.Namespace) -> int:
             split_documents=run["split_documents"],
             num_workers=args.num_workers,
             loss_on=run["loss_on"],
+            show_progress=not args.quiet,
         )
     except (OSError, ValueError) as err:
         print(f"error: {str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}", file=sys.stderr)
@@ -189,9 +206,15 @@ def run_check(args: argparse.Namespace) -> int:
     report = {k: stats[k] for k in ("samples", "images", "text_tokens")}
     report["skipped"] = {kind: stats["skipped"][kind] for kind in SKIP_KINDS}
     report.update(shards=stats["shards"], seconds=stats["seconds"])
-    print(json.dumps(report) if args.json else "\n".join(report_lines(stats, run["seq_len"], args.num_workers)))
+    lines = report_lines(stats, run["seq_len"], args.num_workers, args.strict)
+    print(json.dumps(report) if args.json else "\n".join(lines))
     if report["samples"] == 0:
         print("error: no sample could be read", file=sys.stderr)
+        return 1
+    skipped = sum(report["skipped"].values())
+    if args.strict and skipped:
+        if args.json:  # stdout holds the JSON object alone
+            print(f"error: --strict: {skipped} samples skipped", file=sys.stderr)
         return 1
     return 0
 

@@ -13,8 +13,11 @@ kinds interleaved round-robin; ``--option KEY=VALUE`` goes to the kinds whose ge
 easy stage: ``max_objects=1``, ``object_size=0.6,0.95``), and the manifest records the options.
 Sources: one pass, each sample goes to eval when a hash of its key falls under ``--eval-fraction`` (default 0:
 train only, no eval folder); ``--from-llava`` / ``--from-messages`` write conversations, their image paths
-relative to ``--image-root`` (default: the file's folder). Writes
-``OUT/<split>/*.tar`` + ``manifest.json`` and prints one summary line per split.
+relative to ``--image-root`` (default: the file's folder); an entry whose image resolves outside that folder
+(``..``, an absolute path, a symlink out) is skipped as ``outside_image_root`` unless
+``--allow-outside-image-root``. Writes ``OUT/<split>/*.tar`` + ``manifest.json`` and prints one summary line per
+split. Manifests count text tokens with the shipped tokenizer (``data_pipelines/assets/tokenizer``), or with
+``--tokenizer DIR``. A progress bar of the samples goes to stderr when it is a terminal; ``--quiet`` drops it.
 
 A run writes into a hidden folder beside ``OUT`` and puts it in the place of ``OUT`` only when it succeeded, so
 ``OUT`` then holds exactly this run's splits; on any error, or when the run wrote no sample, an earlier ``OUT`` is
@@ -31,7 +34,9 @@ import sys
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 
-from data_pipelines import sources, synthetic
+from tqdm import tqdm
+
+from data_pipelines import conversation_sources, sources, synthetic
 from data_pipelines.schema import MAX_IMAGE_PIXELS, Sample
 from data_pipelines.writer import DatasetRefused, SplitWriter, staged_dataset
 
@@ -44,6 +49,11 @@ def _counted(samples: Iterable[Sample], counter: Counter) -> Iterator[Sample]:
         yield sample
 
 
+def progress(samples: Iterable[Sample], enabled: bool, desc: str, total: int | None = None) -> Iterable[Sample]:
+    """``samples`` with a tqdm bar on stderr when ``enabled`` and stderr is a terminal (tqdm's ``disable=None``)."""
+    return tqdm(samples, desc=desc, total=total, unit=" samples", disable=None if enabled else True)
+
+
 def make_synthetic(
     kinds: Sequence[str],
     out_dir: str,
@@ -52,10 +62,12 @@ def make_synthetic(
     eval_samples: int | None = None,
     tokenizer=None,
     generator_options: dict | None = None,
+    show_progress: bool = False,
     **writer_options,
 ) -> dict[str, dict]:
     """Train and eval shards of the synthetic ``kinds`` in ``out_dir`` (replaced as a whole: ``staged_dataset``);
-    ``generator_options`` go to the kinds that take them (``synthetic.interleave``). Returns ``{split: manifest}``."""
+    ``generator_options`` go to the kinds that take them (``synthetic.interleave``); ``show_progress``: a bar per
+    split (:func:`progress`). Returns ``{split: manifest}``."""
     unknown = sorted(set(kinds) - set(synthetic.GENERATORS))
     if unknown or not kinds:
         raise ValueError(f"synthetic kinds must be among {sorted(synthetic.GENERATORS)}, got {list(kinds)}")
@@ -70,6 +82,7 @@ def make_synthetic(
             extra = {"source": "synthetic", "generator": "data_pipelines.synthetic", "kinds": list(kinds)}
             extra.update(seed=seed, options=dict(generator_options or {}), kind_samples=per_kind)  # filled at close
             samples = synthetic.interleave(kinds, n, seed, split, generator_options)
+            samples = progress(samples, show_progress, split, total=n * len(kinds))
             with SplitWriter(stage, split, manifest_extra=extra, tokenizer=tokenizer, **writer_options) as writer:
                 for sample in _counted(samples, per_kind):
                     writer.write(sample)
@@ -89,11 +102,12 @@ def make_from_source(
     out_dir: str,
     eval_fraction: float = 0.0,
     tokenizer=None,
+    show_progress: bool = False,
     **writer_options,
 ) -> dict[str, dict]:
     """Route one source stream into train (and eval when ``eval_fraction`` > 0) in ``out_dir`` (replaced as a
     whole: ``staged_dataset``); returns ``{split: manifest}``. Both manifests record the whole source's ``read`` /
-    ``skipped`` counts."""
+    ``skipped`` counts. ``show_progress``: a bar of the samples read (:func:`progress`)."""
     if not 0.0 <= eval_fraction < 1.0:
         raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
     splits = ["train", "eval"] if eval_fraction > 0 else ["train"]
@@ -101,7 +115,7 @@ def make_from_source(
     with staged_dataset(out_dir) as stage:
         writers = {split: SplitWriter(stage, split, tokenizer=tokenizer, **writer_options) for split in splits}
         try:
-            for sample in samples:
+            for sample in progress(samples, show_progress, "samples"):
                 writers["eval" if eval_fraction > 0 and is_eval(sample.key, eval_fraction) else "train"].write(sample)
             for split, writer in writers.items():
                 writer.manifest_extra = {"source": {**source, **stats.as_dict()}, "eval_fraction": eval_fraction}
@@ -171,31 +185,41 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--image-root", metavar="DIR", help="--from-llava / --from-messages: image paths' folder (default: FILE's)"
     )
+    parser.add_argument(
+        "--allow-outside-image-root",
+        action="store_true",
+        help="--from-llava / --from-messages: read images that resolve outside the image root (default: skip them)",
+    )
     parser.add_argument("--max-count", type=int, default=1000, help="samples per shard at most (default 1000)")
     parser.add_argument("--max-size", type=int, default=64 * 2**20, help="bytes per shard, about (default 64 MiB)")
-    parser.add_argument("--tokenizer", metavar="DIR", help="HF tokenizer folder: text token counts in manifests")
+    parser.add_argument(
+        "--tokenizer", metavar="DIR", help="HF tokenizer folder for the manifests' text token counts (default: shipped)"
+    )
     parser.add_argument(
         "--max-image-pixels", type=int, default=MAX_IMAGE_PIXELS, help="bigger images skip their sample, as in loading"
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress at INFO level")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.image_root is not None and not (args.from_llava or args.from_messages):
-        parser.error("--image-root goes with --from-llava or --from-messages")
+    if not (args.from_llava or args.from_messages):
+        if args.image_root is not None:
+            parser.error("--image-root goes with --from-llava or --from-messages")
+        if args.allow_outside_image_root:
+            parser.error("--allow-outside-image-root goes with --from-llava or --from-messages")
     if args.option and not args.synthetic:
         parser.error("--option goes with --synthetic (generator options)")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
-    tokenizer = None
-    if args.tokenizer:
-        from transformers import AutoTokenizer  # slow import: only when asked
-
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    try:
+        tokenizer = load_manifest_tokenizer(args.tokenizer)
+    except (OSError, ValueError) as err:
+        parser.error(f"--tokenizer: {err}")
     options = {"max_count": args.max_count, "max_size": args.max_size, "tokenizer": tokenizer}
-    options["max_image_pixels"] = args.max_image_pixels
+    options.update(max_image_pixels=args.max_image_pixels, show_progress=not args.quiet)
     try:
         if args.synthetic:
             if args.num_samples is None:
@@ -211,9 +235,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 source, samples = {"type": "dir", "path": args.from_dir}, sources.from_dir(args.from_dir, stats)
             elif args.from_llava or args.from_messages:
                 kind, path = ("llava", args.from_llava) if args.from_llava else ("messages", args.from_messages)
-                read = sources.from_llava if args.from_llava else sources.from_messages
+                read = conversation_sources.from_llava if args.from_llava else conversation_sources.from_messages
                 source = {"type": kind, "path": path, "image_root": args.image_root}
-                samples = read(path, args.image_root, stats)
+                source["allow_outside_image_root"] = args.allow_outside_image_root
+                samples = read(path, args.image_root, stats, args.allow_outside_image_root)
             else:
                 source = {"type": "text", "paths": args.from_text, "unit": args.text_unit}
                 samples = sources.from_text(args.from_text, stats, unit=args.text_unit)
@@ -231,6 +256,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("nothing written: no usable samples", file=sys.stderr)
         return 1
     return 0
+
+
+def load_manifest_tokenizer(path: str | None):
+    """The tokenizer that counts the manifests' text tokens: the folder ``path``, else the shipped one (None, with a
+    warning, when that cannot be loaded: the manifests then say ``text_tokens: null``)."""
+    from data_pipelines.tokenizer import load_tokenizer
+
+    if path is not None:
+        return load_tokenizer(path)
+    try:
+        return load_tokenizer()
+    except (OSError, ValueError) as err:
+        logger.warning("shipped tokenizer unavailable (%s); manifests get no text token counts", err)
+        return None
 
 
 def _chain_jsonl(paths: Sequence[str], stats: sources.SourceStats) -> Iterator[Sample]:

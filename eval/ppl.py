@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 import torch
+from tqdm import tqdm
 
 from eval.lmms_generation import capture_boundaries, row_stats
 
@@ -55,8 +56,10 @@ def evaluate_ppl(
     max_docs: int | None = None,
     device: str = "cpu",
     texts: list[str] | None = None,
+    show_progress: bool = False,
 ) -> dict:
-    """Bits per token / byte and perplexity of the checkpoint folder ``pretrained`` (model + processor)."""
+    """Bits per token / byte and perplexity of the checkpoint folder ``pretrained`` (model + processor);
+    ``show_progress``: a tqdm bar of the batches on stderr when it is a terminal."""
     from data_pipelines.local_text import load_local_text_corpus
     from vlm import ConceptMoEVLM, VLMProcessor
 
@@ -73,7 +76,8 @@ def evaluate_ppl(
     for text in texts:
         rows += windows(tok(text, add_special_tokens=False)["input_ids"], start_id, seq_len)
     nll = predicted = tokens = concepts = 0
-    for b in range(0, len(rows), batch_size):
+    starts = range(0, len(rows), batch_size)
+    for b in tqdm(starts, desc="ppl", unit=" batches", disable=None if show_progress else True):
         n, p, t, c = score_windows(model, rows[b : b + batch_size], processor.pad_token_id, device)
         nll, predicted, tokens, concepts = nll + n, predicted + p, tokens + t, concepts + c
     n_bytes = sum(len(t.encode("utf-8")) for t in texts)

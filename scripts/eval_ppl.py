@@ -1,6 +1,8 @@
 """Text-only perplexity / bits per token / bits per byte on the held-out local corpus (see eval/ppl.py).
 
-python scripts/eval_ppl.py CHECKPOINT_DIR [--seq-len 1024] [--batch-size 4] [--max-docs N] [--out ppl.json]
+python scripts/eval_ppl.py CHECKPOINT_DIR [--seq-len 1024] [--batch-size 4] [--max-docs N] [--out ppl.json] [--quiet]
+
+A progress bar of the batches goes to stderr when it is a terminal; --quiet drops it.
 """
 
 from __future__ import annotations
@@ -21,12 +23,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-docs", type=int, default=None)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default=None, help="also write the JSON here")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_bars = hf_logging.is_progress_bar_enabled()  # transformers' own ("Loading weights"): off with --quiet too
+    if args.quiet:
+        hf_logging.disable_progress_bar()
     try:
-        result = evaluate_ppl(args.pretrained, args.seq_len, args.batch_size, args.max_docs, args.device)
+        result = evaluate_ppl(
+            args.pretrained, args.seq_len, args.batch_size, args.max_docs, args.device, show_progress=not args.quiet
+        )
     except (OSError, ValueError) as err:
         print(f"eval_ppl: error: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
+    finally:
+        if hf_bars:
+            hf_logging.enable_progress_bar()
     text = json.dumps(result, indent=2)
     if args.out:
         Path(args.out).write_text(text + "\n", encoding="utf-8")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
+import os
 import re
 import shutil
 from collections.abc import Iterable
@@ -149,12 +150,31 @@ def add_auto_map(json_file: str | Path, entries: dict[str, str], section: str | 
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
+def check_folder(path) -> None:
+    """Raises ``FileNotFoundError`` (one line) when ``path`` names a local folder that does not exist: it starts
+    with ``.`` / ``/`` / ``~``, has more than one ``/`` (a Hub id is ``name`` or ``owner/name``), or the Hub is
+    off (``HF_HUB_OFFLINE``). Without this, transformers answers a missing ``runs/demo/stage2/hf`` with a message
+    about Hub repo ids."""
+    text = str(path)
+    if os.path.isdir(os.path.expanduser(text)) or os.path.isfile(text):
+        return
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    if offline or text.startswith((".", "/", "~")) or text.count("/") > 1 or os.sep != "/" and os.sep in text:
+        raise FileNotFoundError(f"{text}: no such folder (an export is a folder such as runs/demo/stage2/hf)")
+
+
 class HubCodeMixin:
     """``save_pretrained`` that also writes the code (:func:`write_code`) and ``config.json``'s ``auto_map``.
 
     ``_hub_auto_map``: Auto class name -> the name of a class in the same module as the saved model's class."""
 
     _hub_auto_map: dict[str, str] = {}
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """transformers' ``from_pretrained``, with a one-line error for a missing local folder."""
+        check_folder(pretrained_model_name_or_path)
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         if kwargs.get("push_to_hub"):

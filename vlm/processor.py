@@ -28,7 +28,7 @@ from transformers.utils import PROCESSOR_NAME
 from data_pipelines.chat import CHAT_TEMPLATE, CHAT_TOKENS, END_OF_TURN
 from data_pipelines.tokenizer import IMAGE_TOKEN, pad_id, special_affixes
 from vision_tower import ImageProcessor
-from vlm.hub_code import add_auto_map, auto_map_entry, write_code
+from vlm.hub_code import add_auto_map, auto_map_entry, check_folder, write_code
 
 LEGACY_PROCESSOR_FILE = "vlm_processor_config.json"  # what save_pretrained wrote before processor_config.json
 
@@ -180,6 +180,7 @@ class VLMProcessor(ProcessorMixin):
         ``chat_template.jinja``), or a folder saved before the processor was a transformers one
         (``vlm_processor_config.json`` + the tokenizer's files + ``image_processor_config.json``; it gets the
         default chat template)."""
+        check_folder(pretrained_model_name_or_path)
         folder = os.path.join(str(pretrained_model_name_or_path), kwargs.get("subfolder", ""))
         if os.path.isdir(folder) and not os.path.isfile(os.path.join(folder, PROCESSOR_NAME)):
             if not os.path.isfile(os.path.join(folder, LEGACY_PROCESSOR_FILE)):

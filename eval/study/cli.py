@@ -1,7 +1,7 @@
 """The command line of the study (``scripts/study.py``, ``make study``).
 
     python scripts/study.py [--config scripts/configs/study.yaml] [--out runs/study] [--budget-minutes M]
-        [--arms a,b,...] [--seeds N] [--jobs 2] [--quick] [--report-only] [--doc PATH] [--set key=value ...]
+        [--arms a,b,...] [--seeds N] [--jobs 2] [--quick] [--report-only] [--doc PATH] [--set key=value ...] [--quiet]
 
 Steps: the config (``eval.study.config``); the arms, matched and their match reports printed, any arm not
 compute-matched refused (``eval.study.arms``); the data when missing; every (arm, seed) trained and evaluated
@@ -35,6 +35,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--report-only", action="store_true", help="rebuild study.json, the doc and plots from the files")
     p.add_argument("--doc", default=None, help="the doc to write (default: the config's doc; --quick: OUT/study.md)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a study config field")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars (the runs' bar, make_shards')")
     return p.parse_args(argv)
 
 
@@ -70,11 +71,11 @@ def main(argv: list[str] | None = None) -> int:
         log(f"match: {format_report(arm)}")
     outcomes = None
     if not args.report_only:
-        runner.ensure_data(study, log)
+        runner.ensure_data(study, log, quiet=args.quiet)
         jobs = args.jobs if args.jobs is not None else int(study.get("jobs", 2))
         try:
             budget = args.budget_minutes if args.budget_minutes is not None else study.get("budget_minutes")
-            outcomes = runner.run_all(study, arms, study["seeds"], jobs, budget, log)
+            outcomes = runner.run_all(study, arms, study["seeds"], jobs, budget, log, show_progress=not args.quiet)
             runner.run_prefill(study, arms, log)
         except KeyboardInterrupt:
             log("interrupted: the same command resumes (finished runs are kept, the others resume)")

@@ -29,10 +29,11 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import yaml
+from tqdm import tqdm
 
 from eval.study.arms import Arm
 from eval.study.collect import read_json, run_dir
@@ -47,7 +48,7 @@ _PORTS_IN_USE: set[int] = set()
 
 
 class Log:
-    """Timestamped lines to stdout and ``OUT/study.log``."""
+    """Timestamped lines to stdout (through tqdm: a progress bar on the terminal stays whole) and ``OUT/study.log``."""
 
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -56,7 +57,8 @@ class Log:
     def __call__(self, line: str) -> None:
         text = f"{time.strftime('%H:%M:%S')} {line}"
         with self.lock:
-            print(text, flush=True)
+            tqdm.write(text, file=sys.stdout)
+            sys.stdout.flush()
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(text + "\n")
 
@@ -122,11 +124,13 @@ def release_port(port: int) -> None:
 
 
 # ----------------------------------------------------------------------------- data
-def ensure_data(study: dict, log: Log) -> None:
-    """Build the training shards and the eval task data with the config's arguments when they are missing."""
+def ensure_data(study: dict, log: Log, quiet: bool = False) -> None:
+    """Build the training shards and the eval task data with the config's arguments when they are missing
+    (``quiet``: without make_shards' progress bar)."""
     shards = Path(study["data"]["dir"])
     if not all((shards / split / "manifest.json").is_file() for split in ("train", "eval")):
         cmd = [python(), script("make_shards.py"), *map(str, study["data"]["build"]), "--out", str(shards)]
+        cmd += ["--quiet"] if quiet else []
         log(f"building shards: {shlex.join(cmd)}")
         if subprocess.run(cmd, env=env()).returncode != 0:
             raise SystemExit(f"study: error: building the shards into {shards} failed")
@@ -240,8 +244,11 @@ def run_one(study: dict, arm: Arm, seed: int, deadline: float | None, stop: thre
     return "finished"
 
 
-def run_all(study: dict, arms: list[Arm], seeds: int, jobs: int, budget_min: float | None, log: Log) -> dict:
-    """Every (arm, seed), seed-major, ``jobs`` at a time; returns "arm/seedK" -> outcome."""
+def run_all(
+    study: dict, arms: list[Arm], seeds: int, jobs: int, budget_min: float | None, log: Log, show_progress: bool = False
+) -> dict:
+    """Every (arm, seed), seed-major, ``jobs`` at a time; returns "arm/seedK" -> outcome. ``show_progress``: a tqdm
+    bar of the runs done (whatever their outcome) on stderr when it is a terminal."""
     deadline = None if budget_min is None else time.monotonic() + 60.0 * budget_min
     order = [(arm, seed) for seed in range(seeds) for arm in arms]
     for arm, seed in order:
@@ -249,14 +256,18 @@ def run_all(study: dict, arms: list[Arm], seeds: int, jobs: int, budget_min: flo
             log(f"{arm.name}/seed{seed}: finished before (result.json): skipped")
     stop = threading.Event()  # set on Ctrl-C: queued runs never start (the running ones got the signal too)
     pool = ThreadPoolExecutor(max_workers=max(1, jobs))
+    bar = tqdm(total=len(order), desc="study", unit=" runs", disable=None if show_progress else True)
     try:
         futures = {f"{a.name}/seed{s}": pool.submit(run_one, study, a, s, deadline, stop, log) for a, s in order}
+        for _ in as_completed(futures.values()):
+            bar.update()
         return {key: future.result() for key, future in futures.items()}
     except KeyboardInterrupt:
         stop.set()
         raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+        bar.close()
 
 
 # ----------------------------------------------------------------------------- prefill

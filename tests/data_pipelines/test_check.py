@@ -1,3 +1,4 @@
+import io
 import json
 import logging
 import random
@@ -131,3 +132,32 @@ def test_bad_config_exits_2_with_one_line(tmp_path, capsys, text, message):
     assert main(["--config", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
+
+
+def test_strict_exits_1_when_anything_was_skipped_and_says_so(shards, tok_dir, capsys):
+    assert main([str(shards), *_options(tok_dir), "--strict", "--quiet"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("read 15 samples, ") and lines[1].startswith("skipped 7 (")
+    assert lines[1].endswith("; --strict: failed")
+    assert main([str(shards), *_options(tok_dir), "--strict", "--json", "--quiet"]) == 1
+    out = capsys.readouterr()
+    assert json.loads(out.out)["samples"] == 15 and out.err.strip() == "error: --strict: 7 samples skipped"
+    assert main([str(shards / "good-000.tar"), *_options(tok_dir), "--strict", "--quiet"]) == 0  # nothing skipped
+    assert capsys.readouterr().out.splitlines()[1] == "skipped 0"
+    assert main([str(shards), *_options(tok_dir), "--quiet"]) == 0  # without --strict skips are reported, not fatal
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_progress_bar_on_a_terminal_unless_quiet(shards, tok_dir, monkeypatch, quiet):
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    assert main([str(shards / "faults-000.tar"), *_options(tok_dir)] + ["--quiet"] * quiet) == 0
+    if quiet:
+        assert "checking" not in terminal.getvalue()
+    else:  # the bar's last state counts what the report counts
+        assert "checking: " in terminal.getvalue() and "1 samples, 6 skipped" in terminal.getvalue()

@@ -11,9 +11,10 @@ import pytest
 import webdataset
 from PIL import Image
 
+from data_pipelines.conversation_sources import from_llava, from_messages
 from data_pipelines.make_shards import main
 from data_pipelines.schema import Segment, Turn, decode_sample, image_bytes
-from data_pipelines.sources import SourceStats, from_llava, from_messages
+from data_pipelines.sources import SourceStats
 from data_pipelines.writer import load_manifest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

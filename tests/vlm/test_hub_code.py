@@ -18,7 +18,7 @@ from data_pipelines.tokenizer import load_tokenizer
 from vision_tower import ImageProcessor
 from vlm import ConceptMoEForCausalLM, ConceptMoEVLM
 from vlm.backbone.config import ConceptMoEConfig
-from vlm.hub_code import HEADER, HubCodeError, _imported_modules, flat_name, module_closure
+from vlm.hub_code import HEADER, HubCodeError, _imported_modules, check_folder, flat_name, module_closure
 from vlm.processor import VLMProcessor
 
 ROOTS = ["vlm.model", "vlm.config", "vlm.processor", "vision_tower.image_processor"]
@@ -178,3 +178,16 @@ def test_push_to_hub_from_save_pretrained_is_refused_before_anything_is_written(
     with pytest.raises(ValueError, match="push_to_hub"):
         model.save_pretrained(tmp_path / "x", push_to_hub=True)
     assert not (tmp_path / "x").exists()
+
+
+def test_a_missing_export_folder_is_named_as_such_not_as_a_hub_id(tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    loaders = (ConceptMoEVLM.from_pretrained, ConceptMoEForCausalLM.from_pretrained, VLMProcessor.from_pretrained)
+    for path in (tmp_path / "nothing", "./nothing", "runs/demo/hf"):  # more than one "/", or plainly local
+        for load in loaders:
+            with pytest.raises(FileNotFoundError, match=r"no such folder"):
+                load(path)
+    check_folder("owner/name")  # could be a Hub id: left to transformers
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match=r"^owner/name: no such folder"):
+        check_folder("owner/name")

@@ -7,6 +7,8 @@
   Under ``torchrun`` the agent holds the port itself (and fails at once when it is taken), so this is skipped.
 - The rendezvous is bounded: ``VLM_RENDEZVOUS_TIMEOUT_S`` seconds (default 300) for every rank to join, then
   collectives get DeepSpeed's usual timeout back (``DEEPSPEED_TIMEOUT`` minutes, default 10).
+- On CPU the first ``deepspeed.init_distributed`` of a machine compiles DeepSpeed's shared-memory op (a minute or
+  two): one line says so first (``vlm.training.jit_ops``).
 
 Failures raise ``DistributedError`` (a ``ConfigError``: ``scripts/train_vlm.py`` prints ``error: ...``, exit 2).
 """
@@ -18,6 +20,7 @@ import socket
 from datetime import timedelta
 
 from vlm.training.config import ConfigError, first_line
+from vlm.training.jit_ops import announce_build
 
 RENDEZVOUS_TIMEOUT_ENV = "VLM_RENDEZVOUS_TIMEOUT_S"
 DEFAULT_RENDEZVOUS_TIMEOUT_S = 300
@@ -125,6 +128,7 @@ def init_distributed() -> None:
     timeout = rendezvous_timeout()
     addr, port = _master()
     rank, world = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
+    announce_build("ShareMemCommBuilder")  # the CPU accelerator's collectives; no such op on GPUs
     try:
         deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl", timeout=timeout)
     except RuntimeError as err:  # torch.distributed.DistError (network, store, timeout) and backend errors

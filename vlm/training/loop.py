@@ -20,6 +20,7 @@ from vlm.training.checkpoint import CheckpointError
 from vlm.training.distributed import init_distributed
 from vlm.training.ds_config import DS_CONFIG_FILE, deepspeed_config, schedule_owner
 from vlm.training.export import export_checkpoint
+from vlm.training.jit_ops import announce_build, optimizer_builder
 from vlm.training.manifest import write_text_atomic
 from vlm.training.metrics import MetricsWriter
 from vlm.training.resume import Found, find_checkpoint, set_aside_newer, truncate_metrics
@@ -89,6 +90,7 @@ def run(config: dict, run_dir: str, ds_config: dict | str | None = None, resume:
     if rank == 0:
         write_text_atomic(os.path.join(run_dir, DS_CONFIG_FILE), json.dumps(ds, indent=2))
     model, processor = build_model(config)
+    announce_build(optimizer_builder(ds))  # DeepSpeed's own Adam ("torch_adam": false) compiles on first use
     engine, *_ = deepspeed.initialize(
         model=model, model_parameters=optimizer_groups(model, train["router_lr_scale"]), config=ds
     )
@@ -131,10 +133,11 @@ def run(config: dict, run_dir: str, ds_config: dict | str | None = None, resume:
             stats = train_step(engine, micro, guard, step + 1)
             step += 1
             elapsed = time.perf_counter() - start
-            record = writer.step_record(step, lr, target_r, stats, elapsed, guard)
+            held_out = None  # the eval runs before the step's line is printed, so that the line carries it
             if eval_on and step % train["eval_every"] == 0:
                 eval_loader = make_loader(config, processor, config["data"]["eval_shards"], rank, world_size, False)
-                writer.write({"step": step, "split": "eval", **evaluate(engine, eval_loader, train["eval_batches"])})
+                held_out = evaluate(engine, eval_loader, train["eval_batches"])
+            record = writer.step_record(step, lr, target_r, stats, elapsed, guard, held_out)
             if step % train["save_every"] == 0 or step == train["max_steps"]:
                 save()
     except NonFiniteLossError:

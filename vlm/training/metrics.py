@@ -1,5 +1,6 @@
 """Per-step statistics aggregated exactly over micro-batches and ranks, and the rank-0 writers: metrics.jsonl,
-TensorBoard (when importable) and a progress line (step, loss, R total/text/image, tokens/s, ETA)."""
+TensorBoard (when importable) and a progress line (step, loss, R total/text/image, tokens/s, ETA; on a step that
+ran the held-out eval, its loss and eval-mode R too)."""
 
 from __future__ import annotations
 
@@ -110,26 +111,36 @@ class MetricsWriter:
         if self.monitor is not None:
             self.monitor.write_events([(name, value, record["step"]) for name, value in scalars.items()])
 
-    def step_record(self, step: int, lr: float, target_r: float, stats: StepStats | None, elapsed: float, guard):
-        """Builds, writes and prints one optimiser step's record (collective-free; stats are already reduced)."""
+    def step_record(
+        self, step: int, lr: float, target_r: float, stats: StepStats | None, elapsed: float, guard,
+        eval_record: dict | None = None,
+    ) -> dict:  # fmt: skip
+        """Builds, writes and prints one optimiser step's record (collective-free; stats are already reduced), and
+        ``eval_record`` (``step.evaluate``'s, when this step ran the held-out eval) after it, as ``split: eval``;
+        a step with an eval always prints its line, the eval's loss and R on it."""
         record = step_record(step, lr, target_r, stats, elapsed, guard.total)
         self.write(record)
-        if self.enabled and (step % self.log_every == 0 or step == self.total_steps or stats is None):
-            self.progress(record)
+        if eval_record is not None:
+            self.write({"step": step, "split": "eval", **eval_record})
+        due = step % self.log_every == 0 or step == self.total_steps or stats is None or eval_record is not None
+        if self.enabled and due:
+            self.progress(record, eval_record)
         return record
 
-    def progress(self, record: dict) -> None:
+    def progress(self, record: dict, eval_record: dict | None = None) -> None:
         done = record["step"] - self.start_step
         eta = (time.perf_counter() - self.t0) / max(done, 1) * (self.total_steps - record["step"])
+        fmt = lambda x: "-" if x is None else f"{x:.2f}"
         if record["skipped"]:
             line = f"step {record['step']}/{self.total_steps} skipped (non-finite loss)"
         else:
-            fmt = lambda x: "-" if x is None else f"{x:.2f}"
             line = (
                 f"step {record['step']}/{self.total_steps} loss {record['loss']:.4f} R {fmt(record['r'])} "
                 f"text {fmt(record['r_text'])} image {fmt(record['r_image'])} "
                 f"{record['tokens_per_s']:.0f} tok/s ETA {eta:.0f}s"
             )
+        if eval_record is not None:
+            line += f" | eval loss {eval_record['eval_loss']:.4f} R {fmt(eval_record['eval_r'])}"
         log.info(line)
 
     def close(self) -> None:
