@@ -46,6 +46,7 @@ import torch
 from lmms_eval.api.instance import Instance
 from lmms_eval.api.model import lmms
 from PIL import Image
+from tqdm import tqdm
 
 from eval import lmms_generation as gen
 
@@ -218,12 +219,17 @@ class ConceptMoELMMs(lmms):
             batches += [group[i : i + self.batch_size] for i in range(0, len(group), self.batch_size)]
         return batches
 
+    def _progress(self, items: list[dict], desc: str) -> tqdm:
+        """lmms-eval's models' convention: a bar of the requests on rank 0 (stderr), here of the valid ones."""
+        return tqdm(total=sum(it["error"] is None for it in items), desc=desc, disable=self.rank != 0)
+
     # ------------------------------------------------------------------ lmms interface
     def generate_until(self, requests: list[Instance]) -> list[str]:
         """Batched generation: left-padded prompts, the task's ``until`` / ``max_new_tokens`` / ``temperature``."""
         items = self._prepare(requests)
         key = lambda it: json.dumps(it["req"].args[1], sort_keys=True, default=str)
         answers: dict[int, str] = {}
+        bar = self._progress(items, "Model Responding")
         for batch in self._batches(items, key):
             stops = gen.chat_stops(self.chat_template)
             kwargs = gen.GenSettings.from_kwargs(batch[0]["req"].args[1], self.processor, extra_stops=stops)
@@ -233,6 +239,8 @@ class ConceptMoELMMs(lmms):
             for item, text in zip(batch, texts):
                 answers[id(item)] = text
             self._write_stats(batch, stats if self.record_stats else [None] * len(batch), "generate_until")
+            bar.update(len(batch))
+        bar.close()
         return [answers.get(id(item), "") for item in items]
 
     def loglikelihood(self, requests: list[Instance]) -> list[tuple[float, bool]]:
@@ -245,6 +253,7 @@ class ConceptMoELMMs(lmms):
                 cont = cont(self.task_dict[r[4]][r[5]][r[3]])
             item["continuation"] = str(cont)
         results: dict[int, tuple[float, bool]] = {}
+        bar = self._progress(items, "Running loglikelihood requests")
         for batch in self._batches(items, lambda it: "all"):
             scores, stats = gen.loglikelihood_batch(
                 self.model, self.processor, batch, self.max_patches or self.default_max_patches, self._device
@@ -252,6 +261,8 @@ class ConceptMoELMMs(lmms):
             for item, score in zip(batch, scores):
                 results[id(item)] = score
             self._write_stats(batch, stats if self.record_stats else [None] * len(batch), "loglikelihood")
+            bar.update(len(batch))
+        bar.close()
         return [results.get(id(item), (float("-inf"), False)) for item in items]
 
     def generate_until_multi_round(self, requests) -> list[str]:

@@ -92,7 +92,7 @@ def test_bad_doc_is_skipped_and_counted(plugin):
         plugin.generate_until_multi_round([req])
 
 
-def test_generation_stops_and_records_stats(plugin):
+def test_generation_stops_and_records_stats(plugin, capsys):
     plugin.task_dict = {"t": {"test": [{"group": "g"}, {"group": "g"}]}}
     reqs = [
         SimpleNamespace(args=("Hello", {"max_new_tokens": 3, "until": ["\n"]}, None, 0, "t", "test")),
@@ -104,6 +104,8 @@ def test_generation_stops_and_records_stats(plugin):
     lines = (plugin.stats_dir / "r_stats_t.jsonl").read_text().splitlines()
     assert len(lines) >= 2 and '"group": "g"' in lines[-1]
     assert gen.cut_at_stop("abc\ndef</s>", ["\n"]) == "abc"
+    bar = capsys.readouterr().err  # lmms-eval's convention: a bar of the requests on rank 0
+    assert "Model Responding: 100%" in bar and "2/2" in bar
 
 
 def test_chunking_overrides(tiny_checkpoint):
