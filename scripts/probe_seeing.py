@@ -4,10 +4,11 @@
     python scripts/probe_seeing.py --types colour,shape,position --stage 0:1:0.6-0.95 --stage 150:1:0.3-0.6 \\
         --stage 300:1 --steps 600 --out runs/probe/csp.jsonl
 
-``--stage START:MAX_OBJECTS[:LOW-HIGH]`` is one curriculum stage (from step START on, scenes of 1..MAX_OBJECTS
-shapes whose side is LOW..HIGH of the canvas's short side; no range: the generator's own sizes). Prints one JSON
-line per evaluation (accuracy and chance per question type, eval-mode R per modality) and, with ``--out``, appends
-them there. The rows of docs/seeing.md come from this command; the logic is ``vlm.training.probe``.
+``--stage START:MAX_OBJECTS[:LOW-HIGH][:TYPES]`` is one curriculum stage (from step START on, scenes of
+1..MAX_OBJECTS shapes whose side is LOW..HIGH of the canvas's short side; no range: the generator's own sizes;
+TYPES, comma-separated: the question types trained in that stage, default all of ``--types``; all are scored).
+Prints one JSON line per evaluation (accuracy and chance per question type, eval-mode R per modality) and, with
+``--out``, appends them there. The rows of docs/seeing.md come from this command; the logic is ``vlm.training.probe``.
 """
 
 from __future__ import annotations
@@ -22,16 +23,20 @@ from vlm.training.probe import ProbeConfig, SeeingProbe, Stage
 
 
 def parse_stage(text: str) -> Stage:
+    """``START:MAX_OBJECTS[:LOW-HIGH][:TYPES]``; TYPES (comma-separated) are the question types this stage trains."""
     parts = text.split(":")
     try:
-        if len(parts) not in (2, 3):
+        if len(parts) not in (2, 3, 4):
+            raise ValueError
+        types = tuple(parts.pop().split(",")) if len(parts) > 2 and parts[-1][:1].isalpha() else None
+        if len(parts) > 3:
             raise ValueError
         size = None if len(parts) == 2 else tuple(float(v) for v in parts[2].split("-"))
         if size is not None and len(size) != 2:
             raise ValueError
-        return Stage(int(parts[0]), int(parts[1]), size)
+        return Stage(int(parts[0]), int(parts[1]), size, types)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--stage {text!r}: expected START:MAX_OBJECTS[:LOW-HIGH]") from None
+        raise argparse.ArgumentTypeError(f"--stage {text!r}: expected START:MAX_OBJECTS[:LOW-HIGH][:TYPES]") from None
 
 
 def parse_range(cast, example: str):

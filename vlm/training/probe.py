@@ -44,6 +44,7 @@ class Stage:
     start: int = 0
     max_objects: int = 1
     object_size: tuple[float, float] | None = None
+    types: tuple[str, ...] | None = None  # the question types trained in this stage (None: all of the probe's)
 
 
 @dataclass
@@ -80,18 +81,22 @@ class ProbeScore:
     skipped: dict[str, int] = field(default_factory=dict)  # training samples skipped so far, by kind
 
 
-def scene_questions(cfg: ProbeConfig, split: str, max_objects: int, object_size, seed: int) -> Iterator[Sample]:
-    """The conversations of ``cfg.types`` (an endless stream, deterministic from the arguments): ``scenes_chat``
+def scene_questions(
+    cfg: ProbeConfig, split: str, max_objects: int, object_size, seed: int, types: tuple[str, ...] | None = None
+) -> Iterator[Sample]:
+    """The conversations of ``types`` (default ``cfg.types``; an endless stream, deterministic from the arguments):
+    ``scenes_chat``
     questions, and for the ``needle`` type ``needles_chat`` haystacks of ``cfg.needle_units`` units, one of each in
     turn."""
+    types = cfg.types if types is None else types
     streams = []
-    if set(cfg.types) - {"needle"}:
+    if set(types) - {"needle"}:
         streams.append(
             sample
             for sample in _endless("scenes_chat", split, seed, max_objects=max_objects, object_size=object_size)
-            if sample.meta["task"] == "sceneqa" and sample.meta["type"] in cfg.types
+            if sample.meta["task"] == "sceneqa" and sample.meta["type"] in types
         )
-    if "needle" in cfg.types:
+    if "needle" in types:
         low, high = cfg.needle_units
         options = dict(min_units=low, max_units=high, modalities=cfg.needle_modalities)
         streams.append(_endless("needles_chat", split, seed, **options))
@@ -103,7 +108,7 @@ def scene_questions(cfg: ProbeConfig, split: str, max_objects: int, object_size,
 def training_samples(cfg: ProbeConfig, stage: Stage, seed: int) -> Iterator[Sample]:
     """A stage's training stream: its questions, and with ``cfg.caption_share`` its captioned scenes (every object
     named with its size, colour, shape and place: a dense signal beside one answer token)."""
-    questions = scene_questions(cfg, "train", stage.max_objects, stage.object_size, seed)
+    questions = scene_questions(cfg, "train", stage.max_objects, stage.object_size, seed, stage.types)
     captions = _endless("scenes", "train", seed + 1, max_objects=stage.max_objects, object_size=stage.object_size)
     draw = torch.Generator().manual_seed(seed)
     while True:
@@ -126,6 +131,8 @@ def check_config(cfg: ProbeConfig) -> None:
     starting at step 0, or generator options the scenes generator refuses."""
     if not cfg.types or set(cfg.types) - set(QUESTION_TYPES):
         raise ValueError(f"types must be among {QUESTION_TYPES}, got {cfg.types}")
+    if stray := sorted({t for s in cfg.stages for t in s.types or ()} - set(cfg.types)):
+        raise ValueError(f"a stage trains {stray}, which are not among the probe's types {cfg.types}")
     starts = [s.start for s in cfg.stages]
     if not starts or starts[0] != 0 or starts != sorted(set(starts)):
         raise ValueError(f"stages must start at step 0, in increasing order, got starts {starts}")

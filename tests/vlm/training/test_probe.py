@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from eval.score_table import binomial_tail
-from vlm.training.probe import ProbeConfig, SeeingProbe, Stage
+from vlm.training.probe import ProbeConfig, SeeingProbe, Stage, training_samples
 
 
 def test_a_tiny_vlm_reads_a_small_objects_colour_after_a_size_curriculum():
@@ -48,6 +48,8 @@ def test_probe_cli_refuses_bad_settings_in_one_line(capsys):
         (["--stage", "0:9"], "max_objects must be in 1..5"),
         (["--stage", "0:1:0.5"], "expected START:MAX_OBJECTS[:LOW-HIGH]"),
         (["--stage", "0:1:0.9-0.99"], "object_size must be"),
+        (["--stage", "0:1:0.8-0.95:shape", "--types", "colour"], "a stage trains ['shape'], which are not among"),
+        (["--stage", "0:1:0.8-0.95:shape:x"], "expected START:MAX_OBJECTS[:LOW-HIGH][:TYPES]"),
         (["--set", "pixel_shuffle"], "expected FIELD=JSON"),
         (["--types", "needle", "--needle-units", "3-1"], "min_units <= max_units"),
         (["--types", "needle", "--needle-modalities", "audio"], "modalities must be"),
@@ -58,3 +60,18 @@ def test_probe_cli_refuses_bad_settings_in_one_line(capsys):
         assert stopped.value.code == 2, argv
         err = capsys.readouterr().err.strip().splitlines()
         assert says in err[-1], (argv, err[-1])
+
+
+def test_stage_syntax_takes_the_question_types_a_stage_trains():
+    path = Path(__file__).resolve().parents[3] / "scripts" / "probe_seeing.py"
+    spec = importlib.util.spec_from_file_location("probe_seeing", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.parse_stage("0:1:0.8-0.95:shape") == Stage(0, 1, (0.8, 0.95), ("shape",))
+    assert script.parse_stage("300:1:colour,shape") == Stage(300, 1, None, ("colour", "shape"))
+    assert script.parse_stage("300:2") == Stage(300, 2, None, None)
+    cfg = ProbeConfig(types=("colour", "shape"), stages=[Stage(0, 1, None, ("shape",))])
+    stream = training_samples(cfg, cfg.stages[0], 0)
+    assert {next(stream).meta["type"] for _ in range(12)} == {"shape"}  # only the stage's type is trained
+    both = training_samples(cfg, Stage(0, 1), 0)
+    assert {next(both).meta["type"] for _ in range(12)} == {"colour", "shape"}
