@@ -53,6 +53,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from data_pipelines.packing import LOSS_ON, Packer, TokenEncoder, collate_rows, encode_sample_tokens
 from data_pipelines.schema import MAX_IMAGE_PIXELS, SKIP_KINDS, SkipSample, decode_sample
 from data_pipelines.tar_reader import MAX_MEMBER_BYTES, TruncatedTar, expand_shards, read_tar_groups, skip_marked
+from data_pipelines.tokenizer import add_vlm_tokens
 from vision_tower import ImageProcessor
 
 logger = logging.getLogger(__name__)
@@ -381,6 +382,4 @@ def make_dataloader(
 def _image_token_id(tokenizer) -> int:
     if not hasattr(tokenizer, "get_vocab"):  # a plain tokenizer (ByteTokenizer): the first id past its vocabulary
         return len(tokenizer)
-    if "<image>" not in tokenizer.get_vocab():
-        tokenizer.add_tokens(["<image>"], special_tokens=True)
-    return tokenizer.convert_tokens_to_ids("<image>")
+    return add_vlm_tokens(tokenizer, chat=False)

@@ -1,9 +1,10 @@
 """Decoded samples -> token documents -> fixed-length packed rows -> the batch ``ConceptMoEVLM.forward`` takes.
 
 A document is ``prefix + segments + suffix + eos``: the tokenizer's own special tokens around it
-(``data_pipelines.tokenizer.special_affixes``: BOS, or [CLS] ... [SEP], or none), each text segment tokenised on its own
-(a literal ``<image>`` in text stays text), each image a span of ``num_tokens_for(image)`` slots holding
-``image_token_id`` (``modality_ids == 1``), and one eos unless the suffix already ends with it.
+(``data_pipelines.tokenizer.special_affixes``: BOS, or [CLS] ... [SEP], or none), each run of consecutive text
+segments tokenised as one text (the chat template renders them as one; a literal ``<image>`` in text stays text),
+each image a span of ``num_tokens_for(image)`` slots holding ``image_token_id`` (``modality_ids == 1``), and one eos
+unless the suffix already ends with it.
 
 Packing rule (greedy next-fit, deterministic, no look-ahead):
 
@@ -134,11 +135,19 @@ class _DocBuilder:
         self.targets += [False] * n
 
     def segments(self, segments, enc: TokenEncoder, target: bool) -> None:
+        """Images in order; the text between two images tokenised as one string, however many segments hold it
+        (``chat.render`` joins them, so ``VLMProcessor`` sees one text piece there: BPE merges across the seam)."""
+        run: list[str] = []
         for seg in segments:
             if seg.image is None:
-                self.text(enc.text_ids(seg.text), target)
-            else:
-                self.image(seg.image)
+                run.append(seg.text)
+                continue
+            if run:
+                self.text(enc.text_ids("".join(run)), target)
+                run = []
+            self.image(seg.image)
+        if run:
+            self.text(enc.text_ids("".join(run)), target)
 
     def done(self) -> EncodedDoc:
         return EncodedDoc(self.key, self.ids, self.modality, self.images, self.num_tokens, self.starts, self.targets)

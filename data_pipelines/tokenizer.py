@@ -13,6 +13,8 @@ Special tokens (ids 0..4, never split by the BPE, skipped by ``decode(..., skip_
     <bos>    3  beginning of text; defined for callers that want it, never added automatically
     <image>  4  one image slot; the processor / loader repeats it once per vision token
 
+Any other HF tokenizer gets ``<image>`` and the chat tokens from :func:`add_vlm_tokens`, the one place they are added.
+
 Encoding adds no special tokens on its own (no BOS, no EOS): ``decode(encode(text)) == text`` for any text.
 
 Reproducible: BPE training in ``tokenizers`` counts words and breaks ties between equally frequent pairs by
@@ -147,6 +149,17 @@ def load_tokenizer(path: str | os.PathLike | None = None) -> PreTrainedTokenizer
     except (OSError, ValueError, KeyError, TypeError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(f"cannot load a tokenizer from {str(directory)!r}: {first_line}") from err
+
+
+def add_vlm_tokens(tokenizer, chat: bool = True) -> int:
+    """Give ``tokenizer`` (an HF one) ``<image>`` and, with ``chat``, the chat template's ``CHAT_TOKENS``: those it
+    lacks are added as special tokens, in that order after its vocabulary, so no earlier id moves (the shipped
+    tokenizer has them all and is left as it is). The one place the toolkit adds tokens; ``VLMProcessor`` adds
+    all, the training loader ``<image>`` only. Returns the ``<image>`` id."""
+    vocab = tokenizer.get_vocab()
+    if missing := [t for t in (IMAGE_TOKEN, *(CHAT_TOKENS if chat else ())) if t not in vocab]:
+        tokenizer.add_tokens(missing, special_tokens=True)
+    return tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
 
 
 def pad_id(tokenizer) -> int:

@@ -8,10 +8,10 @@ settings under ``image_processor``) and ``chat_template.jinja``; folders written
 + ``image_processor_config.json``) still load.
 
 Any HF fast tokenizer works; ``<image>`` and the chat tokens (``data_pipelines.chat.CHAT_TOKENS``) are added as
-special tokens when missing, so the model's vocabulary must cover ``len(processor.tokenizer)``
-(``ConceptMoEVLMConfig(image_token_id=processor.image_token_id)`` and a ``text_config.vocab_size`` at least that
-large). The chat template defaults to ``data_pipelines.chat.CHAT_TEMPLATE``; ``processor.chat_template`` can be
-edited and is saved with the processor.
+special tokens when missing (``data_pipelines.tokenizer.add_vlm_tokens``), so the model's vocabulary must cover
+``len(processor.tokenizer)`` (``ConceptMoEVLMConfig(image_token_id=processor.image_token_id)`` and a
+``text_config.vocab_size`` at least that large). The chat template defaults to
+``data_pipelines.chat.CHAT_TEMPLATE``; ``processor.chat_template`` can be edited and is saved with the processor.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from transformers import AutoTokenizer, BatchFeature, ProcessorMixin
 from transformers.image_utils import load_image
 from transformers.utils import PROCESSOR_NAME
 
-from data_pipelines.chat import CHAT_TEMPLATE, CHAT_TOKENS, END_OF_TURN
-from data_pipelines.tokenizer import IMAGE_TOKEN, pad_id, special_affixes
+from data_pipelines.chat import CHAT_TEMPLATE, END_OF_TURN
+from data_pipelines.tokenizer import IMAGE_TOKEN, add_vlm_tokens, pad_id, special_affixes
 from vision_tower import ImageProcessor
 from vlm.hub_code import add_auto_map, auto_map_entry, check_folder, write_code
 
@@ -40,15 +40,13 @@ class VLMProcessor(ProcessorMixin):
     ]  # fmt: skip
 
     def __init__(self, tokenizer, image_processor: ImageProcessor | None = None, chat_template: str | None = None):
-        vocab = tokenizer.get_vocab()
-        if missing := [t for t in (self.image_token, *CHAT_TOKENS) if t not in vocab]:
-            tokenizer.add_tokens(missing, special_tokens=True)
+        image_token_id = add_vlm_tokens(tokenizer)
         super().__init__(
             tokenizer,
             image_processor if image_processor is not None else ImageProcessor(),
             chat_template=CHAT_TEMPLATE if chat_template is None else chat_template,
         )
-        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        self.image_token_id = image_token_id
         self.end_of_turn_id = tokenizer.convert_tokens_to_ids(END_OF_TURN)
         self.prefix_ids, self.suffix_ids = special_affixes(tokenizer)
 

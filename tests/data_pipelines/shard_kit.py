@@ -16,6 +16,7 @@ from PIL import Image
 
 from data_pipelines.schema import Sample, Segment, encode_sample, image_bytes
 from data_pipelines.synthetic_images import captioned_image
+from data_pipelines.tokenizer import add_vlm_tokens
 
 SMALL_PIXEL_LIMIT = 150 * 150  # tests pass this as max_image_pixels; the "huge" image exceeds it
 KEY_RE = re.compile(r"doc (k\d+):")
@@ -24,7 +25,7 @@ KEY_RE = re.compile(r"doc (k\d+):")
 def with_image_token(tokenizer):
     """A copy of the shared fixture tokenizer with ``<image>`` (the session fixture stays untouched)."""
     tok = copy.deepcopy(tokenizer)
-    tok.add_tokens(["<image>"], special_tokens=True)
+    add_vlm_tokens(tok, chat=False)
     return tok
 
 

@@ -1,5 +1,6 @@
 """The default tokenizer: shipped, offline, special tokens, lossless, save/load identity, reproducible build."""
 
+import copy
 import json
 
 import pytest
@@ -11,7 +12,9 @@ from data_pipelines.tokenizer import (
     BUILD_INFO_FILE,
     CHAT_TOKENS,
     DEFAULT_TOKENIZER_DIR,
+    IMAGE_TOKEN,
     SPECIAL_TOKENS,
+    add_vlm_tokens,
     build_default_tokenizer,
     corpus_sha256,
     load_tokenizer,
@@ -49,6 +52,19 @@ def test_image_token_is_one_special_id(shipped):
     ids = shipped("a<image>b <image><image>", add_special_tokens=False)["input_ids"]
     assert ids.count(image_id) == 3
     assert "<image>" not in shipped.decode(ids, skip_special_tokens=True)
+
+
+def test_add_vlm_tokens_appends_only_the_missing_ones_in_order(shipped, hf_tokenizer):
+    tok = copy.deepcopy(hf_tokenizer)
+    before, n = tok.get_vocab(), len(tok)
+    assert add_vlm_tokens(tok, chat=False) == n and len(tok) == n + 1  # the loader's: <image> alone
+    assert add_vlm_tokens(tok) == n and tok.convert_tokens_to_ids(list(CHAT_TOKENS)) == list(range(n + 1, n + 5))
+    assert add_vlm_tokens(tok) == n and len(tok) == n + 5  # nothing twice
+    assert {t: i for t, i in tok.get_vocab().items() if t in before} == before  # no earlier id moved
+    ids = tok(f"a{IMAGE_TOKEN}{CHAT_TOKENS[0]}b", add_special_tokens=False)["input_ids"]
+    assert ids[1:3] == [n, n + 1]  # special: never split, nor merged with the text around them
+    shipped_ids = shipped.get_vocab()
+    assert add_vlm_tokens(shipped) == 4 and shipped.get_vocab() == shipped_ids  # has them all: left as it is
 
 
 def test_encode_adds_no_special_tokens(shipped):
