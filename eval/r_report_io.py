@@ -198,63 +198,122 @@ def _join_logged_scores(records: Records, logged: dict) -> None:
             records.joined_scores += 1
 
 
-def load_records(path: str | Path) -> Records:
-    """Read a run folder, an evaluation output folder or one JSONL file.
+# ----------------------------------------------------------------------------------------------------------------
+# One reader per record kind
 
-    A folder is searched recursively for ``*.jsonl`` (metrics and per-sample records) and lmms-eval
-    ``*_results.json`` files. Raises ``ReportInputError`` when the path is missing or holds no usable record.
+RECORD_KINDS = ("step", "train_eval", "sample", "sample_log")
+KIND_FIELD = "kind"  # a record that names its kind is read as that kind; files written before the field still load
+
+
+def record_kind(rec: dict, log_task: str | None) -> str | None:
+    """The kind of ``rec``: its ``kind`` field when it has one (an unknown kind: None), else told from its keys, as
+    files written before the field hold them, first rule first:
+
+    - ``sample_log``: a line of lmms-eval's ``*_samples_<task>.jsonl`` (``log_task``), with ``doc_id`` and no ``task``;
+    - ``sample``: a per-sample record of the plugin (``r_stats_<task>.jsonl``): it has ``task``;
+    - ``train_eval``: an eval record of a training log: ``"split": "eval"`` or ``eval_`` keys;
+    - ``step``: a training step: a numeric ``step``;
+    - None: anything else (not a record of the report).
     """
-    path = Path(path)
-    records = Records(name=path.resolve().name if path.is_dir() else path.name)
+    if KIND_FIELD in rec:
+        return rec[KIND_FIELD] if rec[KIND_FIELD] in RECORD_KINDS else None
+    if log_task and "task" not in rec and "doc_id" in rec:
+        return "sample_log"
+    if "task" in rec:
+        return "sample"
+    if _is_train_eval(rec):
+        return "train_eval"
+    if _num(rec.get("step")) is not None:
+        return "step"
+    return None
+
+
+@dataclass
+class _Reading:
+    """What the readers gather: the records, the steps by number (a later duplicate wins) and the scores of
+    lmms-eval's sample logs by (task, doc_id), joined to the samples once every file is read."""
+
+    records: Records
+    steps: dict[int | float, dict] = field(default_factory=dict)
+    logged_scores: dict[tuple[str, object], dict[str, float]] = field(default_factory=dict)
+
+
+def _read_sample_log(rec: dict, reading: _Reading, log_task: str | None) -> bool:
+    """Scores for the plugin's sample of the same (task, doc_id); not a record of its own (returns False)."""
+    task = log_task or rec.get("task")
+    if task is not None and "doc_id" in rec:
+        reading.logged_scores[(str(task), rec["doc_id"])] = _logged_scores(rec)
+    return False
+
+
+def _read_sample(rec: dict, reading: _Reading, log_task: str | None) -> bool:
+    if "task" not in rec:
+        return False
+    task = str(rec["task"])
+    sample = {"task": task, "dataset": rec.get("dataset"), "doc_id": rec.get("doc_id")}
+    sample["group"] = None if rec.get("group") is None else str(rec["group"])
+    sample["scores"] = _sample_scores(rec, set(reading.records.results.get(task, {})))
+    sample["nonfinite"] = nonfinite_keys(rec)
+    reading.records.samples.append(sample | _ratios(rec))
+    return True
+
+
+def _read_train_eval(rec: dict, reading: _Reading, log_task: str | None) -> bool:
+    reading.records.train_evals.append(rec)
+    reading.records.nonfinite_eval_records += bool(nonfinite_keys(rec))
+    return True
+
+
+def _read_step(rec: dict, reading: _Reading, log_task: str | None) -> bool:
+    step = _num(rec.get("step"))
+    if step is None:
+        return False
+    step = int(step) if step.is_integer() else step
+    reading.records.duplicate_steps += step in reading.steps
+    scalars = {k: _num(rec.get(k)) for k in TRAIN_SCALARS}
+    reading.steps[step] = {"step": step, "target_r": _num(rec.get("target_r"))} | scalars
+    reading.steps[step] |= _ratios(rec) | {"nonfinite": nonfinite_keys(rec)}
+    return True
+
+
+# kind -> reader(rec, reading, log_task) -> whether rec is a record of the report (else counted as ignored)
+READERS = {"step": _read_step, "train_eval": _read_train_eval, "sample": _read_sample, "sample_log": _read_sample_log}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Loading a path
+
+
+def _input_files(path: Path) -> tuple[list[Path], list[Path]]:
+    """(JSONL files, lmms-eval ``*_results.json`` files) of a folder (recursively) or of one JSONL file."""
     if path.is_dir():
         jsonl_files = sorted(p for p in path.rglob("*.jsonl") if p.is_file())
-        results_files = sorted(p for p in path.rglob("*_results.json") if p.is_file())
         if not jsonl_files:
             raise ReportInputError(f"{path}: no *.jsonl file in this folder (expected metrics.jsonl or *.jsonl)")
-    elif path.is_file():
-        jsonl_files, results_files = [path], []
-    else:
-        raise ReportInputError(f"{path}: no such file or folder")
+        return jsonl_files, sorted(p for p in path.rglob("*_results.json") if p.is_file())
+    if path.is_file():
+        return [path], []
+    raise ReportInputError(f"{path}: no such file or folder")
 
-    for results_file in results_files:  # sorted: a later (timestamped) results file overrides an earlier one
-        for task, metrics in _read_results(results_file).items():
-            records.results.setdefault(task, {}).update(metrics)
-        records.sources.append(str(results_file))
 
-    steps_by_number: dict[int | float, dict] = {}
-    logged_scores: dict[tuple[str, object], dict[str, float]] = {}
+def _read_jsonl_files(path: Path, jsonl_files: list[Path], reading: _Reading) -> None:
+    """Every record of every file through the reader of its kind (``record_kind``)."""
+    records = reading.records
     try:
         for jsonl in jsonl_files:
             records.sources.append(str(jsonl))
-            log_task = SAMPLE_LOG.search(jsonl.name)
+            log_match = SAMPLE_LOG.search(jsonl.name)
+            log_task = log_match["task"] if log_match else None
             for rec in _read_jsonl(jsonl, records):
-                if log_task and "task" not in rec and "doc_id" in rec:
-                    logged_scores[(log_task["task"], rec["doc_id"])] = _logged_scores(rec)
-                    records.ignored_records += 1  # not a record of its own: only joined to the plugin's records
-                elif "task" in rec:
-                    task = str(rec["task"])
-                    sample = {"task": task, "dataset": rec.get("dataset"), "doc_id": rec.get("doc_id")}
-                    sample["group"] = None if rec.get("group") is None else str(rec["group"])
-                    sample["scores"] = _sample_scores(rec, set(records.results.get(task, {})))
-                    sample["nonfinite"] = nonfinite_keys(rec)
-                    records.samples.append(sample | _ratios(rec))
-                elif _is_train_eval(rec):
-                    records.train_evals.append(rec)
-                    records.nonfinite_eval_records += bool(nonfinite_keys(rec))
-                elif _num(rec.get("step")) is not None:
-                    step = _num(rec["step"])
-                    step = int(step) if step.is_integer() else step
-                    records.duplicate_steps += step in steps_by_number
-                    scalars = {k: _num(rec.get(k)) for k in TRAIN_SCALARS}
-                    steps_by_number[step] = {"step": step, "target_r": _num(rec.get("target_r"))} | scalars
-                    steps_by_number[step] |= _ratios(rec) | {"nonfinite": nonfinite_keys(rec)}
-                else:
-                    records.ignored_records += 1
+                reader = READERS.get(record_kind(rec, log_task))
+                records.ignored_records += not (reader and reader(rec, reading, log_task))
     except OSError as e:
         raise ReportInputError(f"{path}: cannot read ({e.strerror or e})") from None
-    records.steps = [steps_by_number[s] for s in sorted(steps_by_number)]
-    _join_logged_scores(records, logged_scores)
 
+
+def _report_what_was_read(path: Path, records: Records) -> None:
+    """Warnings for duplicate steps and non-finite values, a note of ignored records, and ``ReportInputError``
+    when nothing is left to report."""
     if records.duplicate_steps:
         logger.warning(
             "%s: %d steps logged more than once (resumed run?); kept the later record", path, records.duplicate_steps
@@ -269,6 +328,26 @@ def load_records(path: str | Path) -> Records:
         raise ReportInputError(
             f"{path}: no training step or evaluation record to report ({what}{records.ignored_records} other records)"
         )
+
+
+def load_records(path: str | Path) -> Records:
+    """Read a run folder, an evaluation output folder or one JSONL file.
+
+    A folder is searched recursively for ``*.jsonl`` (metrics and per-sample records) and lmms-eval
+    ``*_results.json`` files. Raises ``ReportInputError`` when the path is missing or holds no usable record.
+    """
+    path = Path(path)
+    records = Records(name=path.resolve().name if path.is_dir() else path.name)
+    jsonl_files, results_files = _input_files(path)
+    for results_file in results_files:  # sorted: a later (timestamped) results file overrides an earlier one
+        for task, metrics in _read_results(results_file).items():
+            records.results.setdefault(task, {}).update(metrics)
+        records.sources.append(str(results_file))
+    reading = _Reading(records)
+    _read_jsonl_files(path, jsonl_files, reading)
+    records.steps = [reading.steps[s] for s in sorted(reading.steps)]
+    _join_logged_scores(records, reading.logged_scores)
+    _report_what_was_read(path, records)
     return records
 
 

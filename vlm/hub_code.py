@@ -164,7 +164,8 @@ def check_folder(path) -> None:
 
 
 class HubCodeMixin:
-    """``save_pretrained`` that also writes the code (:func:`write_code`) and ``config.json``'s ``auto_map``.
+    """``save_pretrained`` that also writes the code (:func:`write_code`) and ``config.json``'s ``auto_map`` (set on
+    the model's config, as transformers does for custom code).
 
     ``_hub_auto_map``: Auto class name -> the name of a class in the same module as the saved model's class."""
 
@@ -182,10 +183,11 @@ class HubCodeMixin:
                 "save_pretrained(push_to_hub=True) would upload before the model's code is written: "
                 "use model.push_to_hub(repo_id), or save to a folder and upload it"
             )
-        out = super().save_pretrained(save_directory, *args, **kwargs)
         module = type(self).__module__
-        write_code(save_directory, [module, type(self.config).__module__])
         entries = {"AutoConfig": auto_map_entry(type(self.config))}
         entries |= {auto: f"{flat_name(module)}.{name}" for auto, name in self._hub_auto_map.items()}
-        add_auto_map(Path(save_directory) / "config.json", entries)
+        # on the config itself, as transformers' custom_object_save does: the saved and the in-memory config agree
+        self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **entries}
+        out = super().save_pretrained(save_directory, *args, **kwargs)
+        write_code(save_directory, [module, type(self.config).__module__])
         return out

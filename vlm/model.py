@@ -111,18 +111,17 @@ class ConceptMoEVLM(HubCodeMixin, PreTrainedModel, ConceptMoEGenerationMixin):
         self, modality_boundaries: bool | None = None, image_chunking: str | None = None, **settings
     ) -> None:
         """Change chunking settings in place: the backbone's (``ConceptMoEForCausalLM.set_chunking``: ``chunking``,
-        ``target_r``, ``noise_tau``, ...; ``config.text_config`` follows) and the VLM's ``modality_boundaries`` and
-        ``image_chunking``. The resulting VLM config is validated as a whole before anything changes."""
+        ``target_r``, ``noise_tau``, ...) and the VLM's ``modality_boundaries`` and ``image_chunking``. The resulting
+        VLM config is validated as a whole (e.g. router2d needs dynamic chunking, whichever side moves) before
+        anything changes; ``config.text_config`` is the backbone's config object, so it is written once."""
         settings = rename_legacy_fields(settings, "set_chunking")
-        # the whole result checked before anything changes (e.g. router2d needs dynamic chunking, whichever side moves)
         fields = {k: v for k, v in self.config.to_dict().items() if k not in ("model_type", "text_config")}
-        text = {**self.config.text_config.to_dict(), **settings}
-        ConceptMoEVLMConfig(
-            **{**fields, "text_config": text, "image_chunking": image_chunking or fields["image_chunking"]}
-        )
-        self.language_model.set_chunking(**settings)
+        fields["text_config"] = {**self.config.text_config.to_dict(), **settings}
+        fields["image_chunking"] = image_chunking or fields["image_chunking"]
+        candidate = ConceptMoEVLMConfig(**fields)  # raises ValueError naming a bad field
+        self.language_model.check_chunking_change(settings)
         for name in settings:
-            setattr(self.config.text_config, name, getattr(self.language_model.config, name))
+            setattr(self.config.text_config, name, getattr(candidate.text_config, name))
         if modality_boundaries is not None:
             self.config.modality_boundaries = bool(modality_boundaries)
         if image_chunking is not None:
@@ -250,23 +249,37 @@ class ConceptMoEVLM(HubCodeMixin, PreTrainedModel, ConceptMoEGenerationMixin):
         cache=None,
         use_cache: bool = False,
         logits_to_keep: int = 0,
-        **kwargs,
+        return_dict: bool = True,
+        **unexpected,
     ) -> ConceptMoECausalLMOutput:
         """Rows from :class:`vlm.VLMProcessor` (or the data pipelines): token ids with image slots, the
         patches of every image in the batch (any number per row, any sizes), and optional labels.
 
-        Labels are ignored on image tokens and padding. ``num_tokens`` (tokens per image, from the processor) is
-        informational: the slots themselves say where the images go. ``modality_ids`` defaults to
-        ``input_ids == image_token_id``.
+        Labels are ignored on image tokens and padding. ``num_tokens`` (tokens per image, in every processor batch)
+        is accepted so that ``model(**batch)`` works, and ignored: the slots in ``input_ids`` say where the images
+        go and how many tokens each takes. ``modality_ids`` defaults to ``input_ids == image_token_id``.
 
         Generation (``model.generate(**processor(text=..., images=...), max_new_tokens=...)``): the prefill runs
         the images; later steps get only the new (text) tokens and the ``cache``, and ignore the image inputs.
+        ``generate`` also passes ``position_ids``, ``use_cache``, ``logits_to_keep`` and ``return_dict=True``; the
+        output is always a :class:`ConceptMoECausalLMOutput`. Any other keyword (a mistyped batch key,
+        ``output_attentions``, ...) is a ``TypeError`` naming it, never silently dropped.
         """
+        if unexpected:
+            raise TypeError(
+                f"ConceptMoEVLM.forward got unexpected keyword arguments {sorted(unexpected)}: it takes the batch of "
+                "VLMProcessor or the data loader (images as patches, patch_coord, patch_valid, grid_hw)"
+            )
         lm = self.language_model
         if cache is not None and cache.get_seq_length() > 0:  # decode: new tokens are text
             return lm(input_ids=input_ids, attention_mask=attention_mask, cache=cache, logits_to_keep=logits_to_keep)
         if modality_ids is None:
             modality_ids = (input_ids == self.config.image_token_id).long()
+        elif modality_ids.shape[1] < input_ids.shape[1]:  # generate(use_cache=False): the prompt's, then new text
+            new_Bn = modality_ids.new_full(
+                (input_ids.shape[0], input_ids.shape[1] - modality_ids.shape[1]), Modality.TEXT
+            )
+            modality_ids = torch.cat([modality_ids, new_Bn], dim=1)
         embeds_BND = self.embed(input_ids, modality_ids, attention_mask, patches, patch_coord, patch_valid, grid_hw)
         if labels is not None:
             ignore_BN = modality_ids == Modality.IMAGE

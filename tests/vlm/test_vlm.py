@@ -290,8 +290,37 @@ def test_set_chunking_reaches_the_backbone_and_the_vlm_config(processor):
     for cfg in (model.config.text_config, model.language_model.config, model.language_model.model.config):
         assert (cfg.chunking, cfg.target_r) == ("fixed", 3.0)
     assert model.config.modality_boundaries
+    before = model.config.to_dict()
     with pytest.raises(ValueError, match="noise_tau"):
-        model.set_chunking(noise_tau=-1.0)
+        model.set_chunking(target_r=5.0, noise_tau=-1.0)
+    with pytest.raises(ValueError, match="'d_model' is not a chunking setting"):
+        model.set_chunking(target_r=5.0, d_model=8)
+    with pytest.raises(ValueError, match="chunking='none' cannot be applied"):
+        model.set_chunking(chunking="none", modality_boundaries=False)
+    assert model.config.to_dict() == before  # a refused call changes nothing
+
+
+def test_text_config_is_the_backbone_config_object(tmp_path, processor):
+    """set_chunking writes ``config.text_config`` once: built, loaded and from_text_model models share one object."""
+    built = make_vlm(processor)
+    built.save_pretrained(tmp_path)
+    for model in (built, ConceptMoEVLM.from_pretrained(tmp_path), ConceptMoEVLM.from_text_model(built.language_model)):
+        assert model.config.text_config is model.language_model.config is model.language_model.model.config
+
+
+def test_forward_refuses_unknown_keywords_and_ignores_num_tokens(processor):
+    model = make_vlm(processor).eval()
+    batch = processor(text=["<image> a red square"], images=[images(1)])
+    assert "num_tokens" in batch  # part of every processor batch: model(**batch) must take it
+    with torch.no_grad():
+        with_counts = model(**batch).logits
+        without = model(**{k: v for k, v in batch.items() if k != "num_tokens"}).logits
+        assert torch.equal(with_counts, without)
+        patches = batch.pop("patches")
+        with pytest.raises(TypeError, match=r"\['patchs', 'pixel_values'\]"):
+            model(**batch, patchs=patches, pixel_values=patches)
+        with pytest.raises(TypeError, match="output_attentions"):
+            model(**batch, patches=patches, output_attentions=True)
 
 
 def test_the_backbone_reports_exactly_the_data_modalities():
@@ -299,3 +328,13 @@ def test_the_backbone_reports_exactly_the_data_modalities():
     from vlm.backbone.outputs import ALWAYS_REPORTED
 
     assert tuple(int(m) for m in Modality) == ALWAYS_REPORTED == (Modality.TEXT, Modality.IMAGE)
+
+
+def test_generate_without_the_cache_equals_generate_with_it_on_image_prompts(processor):
+    """``use_cache=False`` reruns the whole forward each step on the prompt plus the new tokens: the prompt's
+    ``modality_ids`` must stretch over the new (text) tokens, and the tokens must equal the cached decode's."""
+    model = make_vlm(processor).eval()
+    texts = ["<image>\nWhat?", "<image>\nA longer question here?"]
+    batch = processor(text=texts, images=[[img] for img in images(2)], padding_side="left", return_tensors="pt")
+    cached = model.generate(**batch, max_new_tokens=5, do_sample=False)
+    assert torch.equal(model.generate(**batch, max_new_tokens=5, do_sample=False, use_cache=False), cached)

@@ -152,6 +152,45 @@ def _str_keyed(mapping: dict | None) -> dict | None:
     return None if mapping is None else {str(k): float(v) for k, v in mapping.items()}
 
 
+# ----------------------------------------------------------------------------- from __init__ arguments to fields
+def read_aliases(fields: dict, kwargs: dict) -> dict:
+    """``top_k`` given under its stored name ``num_experts_per_tok`` (see ``attribute_map``), and the old field names of
+    a config saved before the renames (they arrive in, and are popped from, ``kwargs``)."""
+    fields = dict(fields)
+    stored_top_k = fields.pop("num_experts_per_tok")
+    if stored_top_k is not None:
+        fields["top_k"] = stored_top_k
+    legacy = rename_legacy_fields({k: kwargs.pop(k) for k in RENAMED_FIELDS if k in kwargs}, "ConceptMoEConfig")
+    return {**fields, **legacy}
+
+
+def fill_defaults(fields: dict) -> dict:
+    """None means "the same as": ``n_kv_heads`` the query heads, every ``concept_*`` field its token-level value
+    (stored resolved), ``joint_layers`` every decoder layer."""
+    same_as = {
+        "n_kv_heads": "n_heads",
+        "concept_d_model": "d_model",
+        "concept_num_experts": "num_experts",
+        "concept_top_k": "top_k",
+        "concept_expert_dim": "expert_dim",
+        "joint_layers": "decoder_layers",
+    }
+    return {**fields, **{k: fields[base] for k, base in same_as.items() if fields[k] is None}}
+
+
+def normalise(fields: dict) -> dict:
+    """R and tau as floats; per-modality maps with string keys (``_str_keyed``), as JSON will store them."""
+    out = {**fields, "target_r": float(fields["target_r"]), "noise_tau": float(fields["noise_tau"])}
+    for name in ("target_r_by_modality", "ratio_loss_modality_weights"):
+        out[name] = _str_keyed(fields[name])
+    return out
+
+
+def resolve_fields(fields: dict, kwargs: dict) -> dict:
+    """The stored value of every field from the ``__init__`` arguments (``kwargs`` loses the old field names)."""
+    return normalise(fill_defaults(read_aliases(fields, kwargs)))
+
+
 class ConceptMoEConfig(PretrainedConfig):
     """Configuration of :class:`vlm.ConceptMoEForCausalLM`.
 
@@ -224,56 +263,9 @@ class ConceptMoEConfig(PretrainedConfig):
         num_experts_per_tok: int | None = None,
         **kwargs,
     ):
-        if num_experts_per_tok is not None:  # the stored name of top_k (see attribute_map)
-            top_k = num_experts_per_tok
-        # a config saved before the renames: its old field names arrive in kwargs
-        legacy = rename_legacy_fields({k: kwargs.pop(k) for k in RENAMED_FIELDS if k in kwargs}, "ConceptMoEConfig")
-        boundary_router = legacy.get("boundary_router", boundary_router)
-        boundary_router_init = legacy.get("boundary_router_init", boundary_router_init)
-        concept_merge = legacy.get("concept_merge", concept_merge)
-        moe_z_loss_weight = legacy.get("moe_z_loss_weight", moe_z_loss_weight)
-        self.vocab_size = vocab_size
-        self.d_model = d_model
-        self.n_heads = n_heads
-        self.n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
-        self.head_dim = head_dim
-        self.encoder_layers = encoder_layers
-        self.concept_layers = concept_layers
-        self.decoder_layers = decoder_layers
-        self.ffn = ffn
-        self.num_experts = num_experts
-        self.top_k = top_k
-        self.expert_dim = expert_dim
-        self.shared_experts = shared_experts
-        self.shared_expert_dim = shared_expert_dim
-        self.shared_expert_gate = shared_expert_gate
-        self.dense_dim = dense_dim
-        self.norm_topk_prob = norm_topk_prob
-        self.balance_loss_weight = balance_loss_weight
-        self.moe_z_loss_weight = moe_z_loss_weight
-        self.concept_d_model = d_model if concept_d_model is None else concept_d_model
-        self.concept_num_experts = num_experts if concept_num_experts is None else concept_num_experts
-        self.concept_top_k = top_k if concept_top_k is None else concept_top_k
-        self.concept_expert_dim = expert_dim if concept_expert_dim is None else concept_expert_dim
-        self.concept_loop = concept_loop
-        self.concept_loop_layers = concept_loop_layers
-        self.target_r = float(target_r)
-        self.chunking = chunking
-        self.boundary_router = boundary_router
-        self.boundary_router_init = boundary_router_init
-        self.concept_merge = concept_merge
-        self.noise_tau = float(noise_tau)
-        self.ratio_loss_weight = ratio_loss_weight
-        self.target_r_by_modality = _str_keyed(target_r_by_modality)
-        self.ratio_loss_modality_weights = _str_keyed(ratio_loss_modality_weights)
-        self.joint_layers = decoder_layers if joint_layers is None else joint_layers
-        self.joint_zero_init = joint_zero_init
-        self.attention_bias = attention_bias
-        self.qk_norm = qk_norm
-        self.rope_theta = rope_theta
-        self.rms_norm_eps = rms_norm_eps
-        self.max_position_embeddings = max_position_embeddings
-        self.initializer_range = initializer_range
+        fields = {k: v for k, v in locals().items() if k not in ("self", "kwargs", "tie_word_embeddings", "__class__")}
+        for name, value in resolve_fields(fields, kwargs).items():
+            setattr(self, name, value)
         kwargs.setdefault("tie_word_embeddings", tie_word_embeddings)
         super().__init__(**kwargs)
         self.tie_word_embeddings = tie_word_embeddings

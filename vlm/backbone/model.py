@@ -250,6 +250,15 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, ConceptMoEGenerationMixin
         models. ``fixed`` on a ``dynamic`` model forces R at evaluation.
         """
         settings = rename_legacy_fields(settings, "set_chunking")
+        self.check_chunking_change(settings)
+        fields = {k: v for k, v in self.config.to_dict().items() if k != "model_type"}
+        candidate = ConceptMoEConfig(**{**fields, **settings})  # raises ValueError naming a bad field
+        for name in settings:  # self.model.config is self.config: one object to write
+            setattr(self.config, name, getattr(candidate, name))
+
+    def check_chunking_change(self, settings: dict) -> None:
+        """What a config alone cannot check: every name is a chunking setting, and this built model has the modules
+        the wanted ``chunking`` needs (``set_chunking``)."""
         unknown = sorted(set(settings) - set(CHUNKING_SETTINGS))
         if unknown:
             raise ValueError(f"set_chunking: {unknown[0]!r} is not a chunking setting; allowed: {CHUNKING_SETTINGS}")
@@ -259,11 +268,6 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, ConceptMoEGenerationMixin
                 f"set_chunking: chunking={wanted!r} cannot be applied to a model built with chunking={current!r} "
                 "(the chunk / dechunk modules and the boundary router exist only in models built with them)"
             )
-        fields = {k: v for k, v in self.config.to_dict().items() if k != "model_type"}
-        candidate = ConceptMoEConfig(**{**fields, **settings})  # raises ValueError naming a bad field
-        for config in {id(c): c for c in (self.config, self.model.config)}.values():
-            for name in settings:
-                setattr(config, name, getattr(candidate, name))
 
     def set_output_embeddings(self, value):
         self.lm_head = value

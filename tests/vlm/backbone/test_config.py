@@ -146,8 +146,22 @@ def test_old_and_new_name_together_is_a_one_line_error():
         ConceptMoEConfig.from_preset("tiny", merge="last", concept_merge="sum")
 
 
-def test_set_chunking_changes_every_config_object_and_validates():
+def test_none_fields_resolve_to_their_token_level_values():
+    """Aliases are read before defaults are filled: a stored ``num_experts_per_tok`` is also the concept model's."""
+    cfg = ConceptMoEConfig(num_experts_per_tok=3, n_heads=4, decoder_layers=2, target_r=3, noise_tau=1)
+    assert (cfg.top_k, cfg.concept_top_k, cfg.n_kv_heads, cfg.joint_layers) == (3, 3, 4, 2)
+    assert (cfg.concept_d_model, cfg.concept_num_experts, cfg.concept_expert_dim) == (64, 8, 64)
+    assert isinstance(cfg.target_r, float) and isinstance(cfg.noise_tau, float)
+    cfg = ConceptMoEConfig(target_r_by_modality={0: 2, 1: 4}, ratio_loss_modality_weights={1: 1})
+    assert cfg.target_r_by_modality == {"0": 2.0, "1": 4.0} and cfg.ratio_loss_modality_weights == {"1": 1.0}
+    assert ConceptMoEConfig(merge="last", router="linear").to_dict()["concept_merge"] == "last"
+
+
+def test_set_chunking_changes_every_config_object_and_validates(tmp_path):
     model = ConceptMoEForCausalLM(ConceptMoEConfig.from_preset("tiny", boundary_router_init="random")).eval()
+    model.save_pretrained(tmp_path)
+    for built in (model, ConceptMoEForCausalLM.from_pretrained(tmp_path)):  # set_chunking writes one object
+        assert built.model.config is built.config
     ids = torch.randint(0, 512, (1, 64))
     model.set_chunking(chunking="fixed", target_r=4.0)
     assert model.config.chunking == model.model.config.chunking == "fixed"
