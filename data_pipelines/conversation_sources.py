@@ -29,8 +29,14 @@ from data_pipelines.sources import SourceStats, image_segment
 
 LLAVA_IMAGE = "<image>"  # where an image goes in a LLaVA turn's text
 # LLaVA's speakers (``from``) -> the schema's roles: ShareGPT's human / gpt, and the chat names some exports use.
-LLAVA_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
-               "system": "system"}  # fmt: skip
+LLAVA_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "system": "system",
+}
 OUTSIDE_IMAGE_ROOT = "outside_image_root"  # the skip kind of an image path that resolves outside the image root
 
 

@@ -171,9 +171,13 @@ class _WorkerStream:
             try:
                 skip_marked(group)  # non_adjacent_key / member_too_large, found while reading the tar
                 doc = encode_sample_tokens(
-                    decode_sample(group), cfg["encoder"], cfg["image_processor"], cfg["image_token_id"],
-                    cfg["max_image_pixels"], cfg["loss_on"],
-                )  # fmt: skip
+                    decode_sample(group),
+                    cfg["encoder"],
+                    cfg["image_processor"],
+                    cfg["image_token_id"],
+                    cfg["max_image_pixels"],
+                    cfg["loss_on"],
+                )
                 if not packer.fits(doc):
                     raise SkipSample("too_long", f"{doc.key}: {len(doc)} tokens, rows hold {cfg['seq_len']}")
             except SkipSample as skip:
@@ -283,8 +287,19 @@ class ShardLoader:
                 yield batch
 
     def _fingerprint(self) -> dict:
-        keys = ("seed", "rank", "world_size", "num_workers", "seq_len", "batch_size", "shuffle", "shuffle_buffer",
-                "split_documents", "image_token_id", "loss_on")  # fmt: skip
+        keys = (
+            "seed",
+            "rank",
+            "world_size",
+            "num_workers",
+            "seq_len",
+            "batch_size",
+            "shuffle",
+            "shuffle_buffer",
+            "split_documents",
+            "image_token_id",
+            "loss_on",
+        )
         shards = hashlib.sha256("\n".join(self.cfg["shards"]).encode()).hexdigest()[:16]
         return {**{k: self.cfg[k] for k in keys}, "shards": shards}
 
@@ -352,10 +367,15 @@ def make_dataloader(
     ``loss_on`` (``packing.LOSS_ON``): ``auto`` labels the assistant turns of conversations and all text elsewhere.
     ``max_member_bytes``: a sample with a bigger tar member (decompressed) is skipped as ``member_too_large``.
     """
-    for name, value, low in (("seq_len", seq_len, 2), ("batch_size", batch_size, 1), ("world_size", world_size, 1),
-                             ("num_workers", num_workers, 0), ("max_image_pixels", max_image_pixels, 1),
-                             ("shuffle_buffer", shuffle_buffer, 0),
-                             ("max_member_bytes", max_member_bytes, 1)):  # fmt: skip
+    for name, value, low in (
+        ("seq_len", seq_len, 2),
+        ("batch_size", batch_size, 1),
+        ("world_size", world_size, 1),
+        ("num_workers", num_workers, 0),
+        ("max_image_pixels", max_image_pixels, 1),
+        ("shuffle_buffer", shuffle_buffer, 0),
+        ("max_member_bytes", max_member_bytes, 1),
+    ):
         if not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     if not 0 <= rank < world_size:
@@ -370,12 +390,24 @@ def make_dataloader(
     if num_workers > 0:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers fork after the tokenizer was used
     cfg = dict(
-        shards=expand_shards(shards), encoder=encoder, image_processor=image_processor or ImageProcessor(),
-        image_token_id=image_token_id, seq_len=seq_len, batch_size=batch_size, rank=rank, world_size=world_size,
-        num_workers=num_workers, seed=seed, shuffle=shuffle, shuffle_buffer=shuffle_buffer, epochs=epochs,
-        max_image_pixels=max_image_pixels, split_documents=split_documents, loss_on=loss_on,
+        shards=expand_shards(shards),
+        encoder=encoder,
+        image_processor=image_processor or ImageProcessor(),
+        image_token_id=image_token_id,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        rank=rank,
+        world_size=world_size,
+        num_workers=num_workers,
+        seed=seed,
+        shuffle=shuffle,
+        shuffle_buffer=shuffle_buffer,
+        epochs=epochs,
+        max_image_pixels=max_image_pixels,
+        split_documents=split_documents,
+        loss_on=loss_on,
         max_member_bytes=max_member_bytes,
-    )  # fmt: skip
+    )
     return ShardLoader(cfg, pin_memory=pin_memory)
 
 

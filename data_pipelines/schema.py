@@ -23,12 +23,22 @@ from PIL import Image
 
 IMAGE_EXTS = ("png", "jpg", "jpeg", "webp")
 SKIP_KINDS = (
-    "truncated_tar", "bad_image", "bad_json", "image_too_large", "too_long", "missing_field",
+    "truncated_tar",
+    "bad_image",
+    "bad_json",
+    "image_too_large",
+    "too_long",
+    "missing_field",
     # conversations (``check_conversation``)
-    "unknown_role", "bad_turn_order", "image_count_mismatch", "missing_image", "empty_answer",
+    "unknown_role",
+    "bad_turn_order",
+    "image_count_mismatch",
+    "missing_image",
+    "empty_answer",
     # tar reading (``tar_reader.read_tar_groups``)
-    "non_adjacent_key", "member_too_large",
-)  # fmt: skip
+    "non_adjacent_key",
+    "member_too_large",
+)
 ROLES = ("system", "user", "assistant")
 MAX_IMAGE_PIXELS = 64_000_000  # above this an image is skipped as image_too_large (decompression-bomb guard)
 

@@ -42,8 +42,14 @@ SKIP = "__skip__"  # a group's mark: (skip kind, message) for a sample the reade
 URL_SCHEMES = tuple(sorted(s for s in gopen_schemes if s != "__default__"))  # streamed: pipe, http, https, gs, ...
 DRAIN_BYTES = 2**20  # after the end-of-archive block, read at most this much of a command's output before closing
 EXIT_WAIT_S = 5.0  # how long a command may take to exit once its output is closed; then it is killed
-CURL_EXITS = {6: "could not resolve the host", 7: "could not connect", 18: "the transfer ended early",
-              22: "HTTP error status >= 400", 28: "timed out", 56: "the connection broke"}  # fmt: skip
+CURL_EXITS = {
+    6: "could not resolve the host",
+    7: "could not connect",
+    18: "the transfer ended early",
+    22: "HTTP error status >= 400",
+    28: "timed out",
+    56: "the connection broke",
+}
 
 
 class TruncatedTar(Exception):

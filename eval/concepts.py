@@ -216,9 +216,11 @@ def _images(config, batch, modality_N, p_N, b_N, concept_N, images) -> tuple[np.
             picture = images[i].convert("RGB").resize(size, Image.Resampling.BICUBIC)
         else:
             picture = image_from_patches(
-                batch["patches"][i].cpu(), batch["patch_coord"][i].cpu(), batch["patch_valid"][i].cpu(),
+                batch["patches"][i].cpu(),
+                batch["patch_coord"][i].cpu(),
+                batch["patch_valid"][i].cpu(),
                 config.patch_size,
-            )  # fmt: skip
+            )
         ids = sorted(set(labels_HW[labels_HW >= 0].tolist()))
         maps.append(ImageConcepts(i, int(mine[0]), (h, w), labels_HW, p_HW, b_HW, size, cell_px, ids, picture))
     return image_N, maps

@@ -195,8 +195,16 @@ def _draw_image(fig, box: tuple, cmap: ConceptMap, img: ImageConcepts) -> None:
             if (m := int(img.labels_HW[r, c])) >= 0 and m not in seen:
                 seen.add(m)
                 label = {"boxstyle": "round,pad=0.1", "fc": "white", "alpha": 0.8}
-                axes[1].text((c + 0.5) * s, (r + 0.5) * s, str(m), ha="center", va="center", fontweight="bold",
-                             fontsize=min(8, cell_pt / 2), bbox=label)  # fmt: skip
+                axes[1].text(
+                    (c + 0.5) * s,
+                    (r + 0.5) * s,
+                    str(m),
+                    ha="center",
+                    va="center",
+                    fontweight="bold",
+                    fontsize=min(8, cell_pt / 2),
+                    bbox=label,
+                )
     rc = scan_cells(h, w, cmap.image_chunking).numpy()
     xs, ys = (rc[:, 1] + 0.5) * s, (rc[:, 0] + 0.5) * s
     axes[2].plot(xs, ys, color="white", lw=0.9, alpha=0.7)
@@ -233,11 +241,19 @@ def draw_concepts(cmap: ConceptMap, path_png: str | Path) -> Path:
     fig.text(MARGIN_IN / FIG_W, 1 - 0.25 / fig_h, title, fontsize=13, fontweight="bold", va="center")
     for k, line in enumerate(summary_lines(cmap)):
         fig.text(MARGIN_IN / FIG_W, 1 - (0.52 + 0.2 * k) / fig_h, line, fontsize=9, va="center")
-    key = ("text: background alternates per concept; red bar = boundary (closes a concept); grey = open tail;  "
-           "bars under tokens: p, red where a boundary, dashed line = 0.5")  # fmt: skip
+    key = (
+        "text: background alternates per concept; red bar = boundary (closes a concept); grey = open tail;  "
+        "bars under tokens: p, red where a boundary, dashed line = 0.5"
+    )
     fig.text(MARGIN_IN / FIG_W, 1 - 0.92 / fig_h, key, fontsize=8, va="center", color="#444444")
-    ax = fig.add_axes((MARGIN_IN / FIG_W, 1 - (HEAD_IN + lines * LINE_IN) / fig_h, chars * FONT_PT * CHAR_W / 72 /
-                       FIG_W, lines * LINE_IN / fig_h))  # fmt: skip
+    ax = fig.add_axes(
+        (
+            MARGIN_IN / FIG_W,
+            1 - (HEAD_IN + lines * LINE_IN) / fig_h,
+            chars * FONT_PT * CHAR_W / 72 / FIG_W,
+            lines * LINE_IN / fig_h,
+        )
+    )
     ax.set_xlim(0, chars)
     ax.set_ylim(lines, 0)
     ax.axis("off")
@@ -275,11 +291,15 @@ def write_html(cmap: ConceptMap, path_html: str | Path, png: str | Path | None =
     """One page: legend, every token as a span (tooltip: index, p, concept; a red underline as strong as p, a thick
     red edge on boundaries, grey open tail), each image's panels inline, and the table of concepts."""
     esc = html.escape
-    out = [f"<!doctype html><meta charset='utf-8'><title>Concepts</title><style>{STYLE}</style>",
-           f"<h2>Concepts of {esc(cmap.source or 'the input')}</h2>"]  # fmt: skip
+    out = [
+        f"<!doctype html><meta charset='utf-8'><title>Concepts</title><style>{STYLE}</style>",
+        f"<h2>Concepts of {esc(cmap.source or 'the input')}</h2>",
+    ]
     out += [f"<p class='legend'>{esc(line)}</p>" for line in summary_lines(cmap)]
-    out.append("<p class='legend'>Hover a token for its p. Background alternates per concept; thick red edge = "
-               "boundary; underline strength = p; grey = open tail.</p>")  # fmt: skip
+    out.append(
+        "<p class='legend'>Hover a token for its p. Background alternates per concept; thick red edge = "
+        "boundary; underline strength = p; grey = open tail.</p>"
+    )
     if png is not None:
         out.append(f"<p><a href='{esc(Path(png).name)}'>the PNG</a></p>")
     tokens = []  # one string: the div keeps white space
@@ -301,12 +321,16 @@ def write_html(cmap: ConceptMap, path_html: str | Path, png: str | Path | None =
     for img in cmap.images:
         data = base64.b64encode(image_png(cmap, img)).decode()
         out.append(f"<h3 id='image-{img.index + 1}'>Image {img.index + 1}</h3><img src='data:image/png;base64,{data}'>")
-    out.append(f"<details><summary>all {len(cmap.spans)} concepts</summary><table><tr><th>id</th><th>tokens</th>"
-               "<th>modality</th><th>p at boundary</th><th>text</th></tr>")  # fmt: skip
+    out.append(
+        f"<details><summary>all {len(cmap.spans)} concepts</summary><table><tr><th>id</th><th>tokens</th>"
+        "<th>modality</th><th>p at boundary</th><th>text</th></tr>"
+    )
     for s in cmap.spans:
         kind = ("image" if s.modality == Modality.IMAGE else "text") + (" (mixed)" if s.mixed else "")
-        out.append(f"<tr><td>{s.id}</td><td>{s.start}-{s.end}</td><td>{kind}</td><td>{s.p:.3f}</td>"
-                   f"<td class='x'>{esc(s.text)}</td></tr>")  # fmt: skip
+        out.append(
+            f"<tr><td>{s.id}</td><td>{s.start}-{s.end}</td><td>{kind}</td><td>{s.p:.3f}</td>"
+            f"<td class='x'>{esc(s.text)}</td></tr>"
+        )
     out.append("</table></details>")
     path_html = Path(path_html)
     path_html.write_text("\n".join(out), encoding="utf-8")

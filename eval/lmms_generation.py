@@ -113,8 +113,11 @@ def apply_chunking_overrides(
     cfg = model.config.text_config
     logger.info(
         "conceptmoe: chunking=%s target_r=%s noise_tau=%s image_chunking=%s",
-        cfg.chunking, cfg.target_r, cfg.noise_tau, model.config.image_chunking,
-    )  # fmt: skip
+        cfg.chunking,
+        cfg.target_r,
+        cfg.noise_tau,
+        model.config.image_chunking,
+    )
 
 
 @contextlib.contextmanager

@@ -73,8 +73,10 @@ def _off_axis_note(axis: RAxis) -> str:
     if not axis.off_axis:
         return ""
     (key, step, r), n = axis.off_axis[0], len(axis.off_axis)
-    return (f"\n{n} point{'s' * (n != 1)} off the axis (1st-99th percentile after the first {axis.warmup_steps} "
-            f"steps), e.g. {SERIES_LABELS[key]} {r:.3g} at step {step:g}")  # fmt: skip
+    return (
+        f"\n{n} point{'s' * (n != 1)} off the axis (1st-99th percentile after the first {axis.warmup_steps} "
+        f"steps), e.g. {SERIES_LABELS[key]} {r:.3g} at step {step:g}"
+    )
 
 
 def _log_r_axis(ax, axis: RAxis) -> None:
@@ -108,8 +110,17 @@ def plot_training(ax, records: Records, train: dict) -> None:
     for key in ("r", "r_image", "r_text"):
         if held_out[key]:
             xs, ys = zip(*held_out[key])
-            ax.plot(xs, ys, ls="none", marker=EVAL_MARKER, ms=7, color=SERIES_COLORS[key], mec="black", mew=0.8,
-                    label=f"held-out {SERIES_LABELS[key]}, eval mode (last: {ys[-1]:.2f})")  # fmt: skip
+            ax.plot(
+                xs,
+                ys,
+                ls="none",
+                marker=EVAL_MARKER,
+                ms=7,
+                color=SERIES_COLORS[key],
+                mec="black",
+                mew=0.8,
+                label=f"held-out {SERIES_LABELS[key]}, eval mode (last: {ys[-1]:.2f})",
+            )
     if train["target_r"] is not None:
         ax.axhline(train["target_r"], color="gray", ls="--", lw=1.2, label=f"target R = {train['target_r']:g}")
     axis = r_axis(series, [train["target_r"], *(y for pts in held_out.values() for _, y in pts)])
@@ -118,8 +129,10 @@ def plot_training(ax, records: Records, train: dict) -> None:
     subtitle = f"\nimage R / text R = {ratio:.2f} over the last 10% of steps" if ratio is not None else ""
     ax.set_title(f"Compression ratio over training: {records.name}{subtitle}{_off_axis_note(axis)}")
     if train["nonfinite_steps"]:  # on the figure too: those steps are gaps in the curves
-        warning = (f"WARNING: {train['nonfinite_steps']} steps with a non-finite loss / R, first at step "
-                   f"{train['nonfinite_at'][0]} (left out; see nonfinite_at in r_report.json)")  # fmt: skip
+        warning = (
+            f"WARNING: {train['nonfinite_steps']} steps with a non-finite loss / R, first at step "
+            f"{train['nonfinite_at'][0]} (left out; see nonfinite_at in r_report.json)"
+        )
         ax.text(0.01, 0.02, warning, transform=ax.transAxes, color="red", fontsize=9, fontweight="bold")
     ax.set_xlabel("optimiser step")
     ax.set_ylabel("R = tokens / concepts (log scale)")

@@ -53,8 +53,11 @@ def build_models(args, device: torch.device, dtype: torch.dtype) -> tuple[Concep
         torch.manual_seed(0)
         if isinstance(cfg_or_dir, str):  # a ConceptMoEForCausalLM folder, or a VLM export (its language model)
             is_vlm = AutoConfig.from_pretrained(cfg_or_dir).model_type == ConceptMoEVLM.config_class.model_type
-            model = (ConceptMoEVLM.from_pretrained(cfg_or_dir).language_model if is_vlm
-                     else ConceptMoEForCausalLM.from_pretrained(cfg_or_dir))  # fmt: skip
+            model = (
+                ConceptMoEVLM.from_pretrained(cfg_or_dir).language_model
+                if is_vlm
+                else ConceptMoEForCausalLM.from_pretrained(cfg_or_dir)
+            )
         else:
             model = ConceptMoEForCausalLM(cfg_or_dir)
         return model.to(device=device, dtype=dtype).eval()

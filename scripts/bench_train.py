@@ -97,21 +97,52 @@ def scaling(preset: str, steps: int) -> None:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     with tempfile.TemporaryDirectory() as tmp:
         shards = Path(tmp) / "shards"
-        subprocess.run([sys.executable, str(root / "scripts" / "make_shards.py"), "--synthetic", "scenes,text",
-                        "--out", str(shards), "--num-samples", "128", "--seed", "0"], check=True, capture_output=True,
-                       env=env)  # fmt: skip
+        subprocess.run(
+            [
+                sys.executable,
+                str(root / "scripts" / "make_shards.py"),
+                "--synthetic",
+                "scenes,text",
+                "--out",
+                str(shards),
+                "--num-samples",
+                "128",
+                "--seed",
+                "0",
+            ],
+            check=True,
+            capture_output=True,
+            env=env,
+        )
         print(f"# scripts/train_vlm.py, {preset} VLM, ZeRO-2, rows 2 x 256 per process, median of steps 3..{steps}")
         print("| processes | global tok/s | tok/s per process | scaling |")
         print("|---|---|---|---|")
         base = None
         for n in (1, 2):
             run = Path(tmp) / f"run{n}"
-            cmd = [str(bin_dir / "deepspeed"), "--num_gpus", str(n), "--master_port", str(29850 + n),
-                   str(root / "scripts" / "train_vlm.py"), "--config", str(root / "scripts" / "configs" / "tiny.yaml"),
-                   "--deepspeed", str(root / "scripts" / "configs" / "zero2.json"), "--out", str(run)]  # fmt: skip
-            for setting in (f"model.preset={preset}", f"data.shards=[{shards / 'train'}]", "data.eval_shards=null",
-                            f"train.max_steps={steps}", f"train.save_every={steps}", "train.eval_every=0",
-                            "train.export=false"):  # fmt: skip
+            cmd = [
+                str(bin_dir / "deepspeed"),
+                "--num_gpus",
+                str(n),
+                "--master_port",
+                str(29850 + n),
+                str(root / "scripts" / "train_vlm.py"),
+                "--config",
+                str(root / "scripts" / "configs" / "tiny.yaml"),
+                "--deepspeed",
+                str(root / "scripts" / "configs" / "zero2.json"),
+                "--out",
+                str(run),
+            ]
+            for setting in (
+                f"model.preset={preset}",
+                f"data.shards=[{shards / 'train'}]",
+                "data.eval_shards=null",
+                f"train.max_steps={steps}",
+                f"train.save_every={steps}",
+                "train.eval_every=0",
+                "train.export=false",
+            ):
                 cmd += ["--set", setting]
             subprocess.run(cmd, check=True, capture_output=True, env=env, cwd=root)
             records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -44,16 +44,39 @@ def _run(cmd: list[str], timeout: int) -> str:
 
 
 def check_shards(args) -> str:
-    _run([sys.executable, "scripts/make_shards.py", "--synthetic", "scenes,text", "--out", str(args.out / "shards"),
-          "--num-samples", str(args.samples), "--seed", "0"], timeout=600)  # fmt: skip
+    _run(
+        [
+            sys.executable,
+            "scripts/make_shards.py",
+            "--synthetic",
+            "scenes,text",
+            "--out",
+            str(args.out / "shards"),
+            "--num-samples",
+            str(args.samples),
+            "--seed",
+            "0",
+        ],
+        timeout=600,
+    )
     return f"{args.samples} samples per kind in {args.out / 'shards'}"
 
 
 def _train(args, steps: int, resume: bool) -> None:
-    launcher = [sys.executable] if args.cpu else [str(BIN / "deepspeed"), "--num_gpus", "1", "--master_port",
-                                                   str(args.master_port)]  # fmt: skip
-    cmd = launcher + ["scripts/train_vlm.py", "--config", "scripts/configs/tiny.yaml", "--deepspeed",
-                      "scripts/configs/zero2_bf16.json", "--out", str(args.out / "run")]  # fmt: skip
+    launcher = (
+        [sys.executable]
+        if args.cpu
+        else [str(BIN / "deepspeed"), "--num_gpus", "1", "--master_port", str(args.master_port)]
+    )
+    cmd = launcher + [
+        "scripts/train_vlm.py",
+        "--config",
+        "scripts/configs/tiny.yaml",
+        "--deepspeed",
+        "scripts/configs/zero2_bf16.json",
+        "--out",
+        str(args.out / "run"),
+    ]
     cmd += ["--resume", "auto"] if resume else ["--overwrite"]
     sets = [
         f"model.preset={args.preset}",
@@ -66,7 +89,7 @@ def _train(args, steps: int, resume: bool) -> None:
         f"train.warmup={max(1, args.steps // 4)}",
         f"train.export={'true' if steps == args.steps else 'false'}",
     ]
-    _run(cmd + [arg for s in sets for arg in ("--set", s)], timeout=1800)  # fmt: skip
+    _run(cmd + [arg for s in sets for arg in ("--set", s)], timeout=1800)
 
 
 def check_train(args) -> str:
@@ -82,8 +105,10 @@ def check_train(args) -> str:
     ds = json.loads((args.out / "run" / "ds_config.json").read_text())
     precision = "bf16" if ds.get("bf16", {}).get("enabled") else "fp32"
     tps = records[-1]["tokens_per_s"]
-    return f"{args.steps} steps ({precision}, ZeRO-2, resumed at {args.steps // 2}): loss {losses[0]:.3f} -> " \
-           f"{losses[-1]:.3f}, R {records[-1]['r']:.2f}, {tps:,.0f} tok/s"  # fmt: skip
+    return (
+        f"{args.steps} steps ({precision}, ZeRO-2, resumed at {args.steps // 2}): loss {losses[0]:.3f} -> "
+        f"{losses[-1]:.3f}, R {records[-1]['r']:.2f}, {tps:,.0f} tok/s"
+    )
 
 
 def _load(args):
@@ -122,15 +147,37 @@ def check_generate(args) -> str:
 def check_bench(args) -> str:
     device = ["--device", "cpu", "--dtype", "fp32"] if args.cpu else ["--device", "cuda", "--dtype", "bf16"]
     lengths = "256" if args.cpu else "4096"
-    out = _run([sys.executable, "scripts/bench_inference.py", "--preset", args.bench_preset, *device, "--lengths",
-                lengths, "--decode-lengths", lengths, "--batches", "1", "--repeats", "2",
-                "--json", str(args.out / "bench.json")], timeout=1800)  # fmt: skip
+    out = _run(
+        [
+            sys.executable,
+            "scripts/bench_inference.py",
+            "--preset",
+            args.bench_preset,
+            *device,
+            "--lengths",
+            lengths,
+            "--decode-lengths",
+            lengths,
+            "--batches",
+            "1",
+            "--repeats",
+            "2",
+            "--json",
+            str(args.out / "bench.json"),
+        ],
+        timeout=1800,
+    )
     rows = [line for line in out.splitlines() if line.startswith("|") and "x" in line]
     return f"{len(rows)} rows in {args.out / 'bench.json'}"
 
 
-CHECKS = (("shards", check_shards), ("train", check_train), ("export", check_export),
-          ("generate", check_generate), ("bench", check_bench))  # fmt: skip
+CHECKS = (
+    ("shards", check_shards),
+    ("train", check_train),
+    ("export", check_export),
+    ("generate", check_generate),
+    ("bench", check_bench),
+)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -63,10 +63,17 @@ def main(argv=None) -> int:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument("--caption-share", type=float, default=0.0, help="share of captioned scenes in training")
-    parser.add_argument("--eval-size", type=parse_range(float, "0.12-0.42"),
-                        help="held-out shapes' side LOW-HIGH (default: generator's)")  # fmt: skip
-    parser.add_argument("--needle-units", type=parse_range(int, "1-3"), default=defaults.needle_units,
-                        help="needle type: haystack units LOW-HIGH (default 1-3)")  # fmt: skip
+    parser.add_argument(
+        "--eval-size",
+        type=parse_range(float, "0.12-0.42"),
+        help="held-out shapes' side LOW-HIGH (default: generator's)",
+    )
+    parser.add_argument(
+        "--needle-units",
+        type=parse_range(int, "1-3"),
+        default=defaults.needle_units,
+        help="needle type: haystack units LOW-HIGH (default 1-3)",
+    )
     parser.add_argument("--needle-modalities", default="text", help="needle type: text, image or text,image")
     parser.add_argument("--out", type=Path, help="append the JSON lines to this file")
     args = parser.parse_args(argv)

@@ -47,8 +47,10 @@ def summary(cmap, png: Path, page: Path | None) -> str:
     r = lambda v: "n/a" if v is None else f"{v:.4f}"
     where = f"{png}" + (f" + {page}" if page else "")
     s = cmap.stats
-    return (f"{where}: R {r(s['r'])} text {r(cmap.r(0))} image {r(cmap.r(1))} "
-            f"({s['tokens']} tokens, {s['concepts']} concepts, {cmap.open_tail} in the open tail)")  # fmt: skip
+    return (
+        f"{where}: R {r(s['r'])} text {r(cmap.r(0))} image {r(cmap.r(1))} "
+        f"({s['tokens']} tokens, {s['concepts']} concepts, {cmap.open_tail} in the open tail)"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

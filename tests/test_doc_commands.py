@@ -164,8 +164,11 @@ def test_python_block_prints_what_it_computes(index):
 def test_checkers_catch_what_they_are_for():
     text = "```bash\nmake no-such-target\npython -m vlm.nothing_here --x\n"
     text += "python scripts/r_report.py --nope \\\n  --out d\n```\n"
-    assert commands(text) == ["make no-such-target", "python -m vlm.nothing_here --x",
-                              "python scripts/r_report.py --nope --out d"]  # fmt: skip
+    assert commands(text) == [
+        "make no-such-target",
+        "python -m vlm.nothing_here --x",
+        "python scripts/r_report.py --nope --out d",
+    ]
     assert "no-such-target" not in make_targets() and "demo" in make_targets()
     name, path, rest = program(commands(text)[2])
     assert "--nope" not in declared_options(path) and rest == ["--nope", "--out", "d"]

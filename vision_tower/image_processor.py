@@ -30,8 +30,18 @@ logger = logging.getLogger(__name__)
 CONFIG_NAME = IMAGE_PROCESSOR_NAME  # "preprocessor_config.json", HF's name
 LEGACY_CONFIG_NAME = "image_processor_config.json"  # written before the processor became a transformers one
 _CONFIG_FILES = (PROCESSOR_NAME, CONFIG_NAME, LEGACY_CONFIG_NAME)  # where a folder's settings are looked up, in order
-_LOADING_KWARGS = ("cache_dir", "force_download", "proxies", "token", "local_files_only", "revision", "subfolder",
-                   "image_processor_filename", "_from_pipeline", "_from_auto")  # fmt: skip
+_LOADING_KWARGS = (
+    "cache_dir",
+    "force_download",
+    "proxies",
+    "token",
+    "local_files_only",
+    "revision",
+    "subfolder",
+    "image_processor_filename",
+    "_from_pipeline",
+    "_from_auto",
+)
 SETTINGS = ("patch_size", "max_patches", "pixel_shuffle", "mean", "std", "upscale")
 _HIGH_DEPTH_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I", "F")
 _ALPHA_MODES = ("RGBA", "RGBa", "LA", "La", "PA")

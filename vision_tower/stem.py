@@ -26,8 +26,9 @@ class PatchConvStem(nn.Module):
     def __init__(self, patch_size: int, embed_dim: int, width: int = 16):
         super().__init__()
         if patch_size % 4:
-            raise ValueError(f"PatchConvStem: patch_size must be a multiple of 4 (two stride-2 convolutions), "
-                             f"got {patch_size}")  # fmt: skip
+            raise ValueError(
+                f"PatchConvStem: patch_size must be a multiple of 4 (two stride-2 convolutions), got {patch_size}"
+            )
         self.patch_size = patch_size
         self.convs = nn.Sequential(
             nn.Conv2d(3, width, 3, padding=1),

@@ -129,8 +129,10 @@ class VisionTower(nn.Module):
         super().__init__()
         self.family = _family(model_name)
         if stem not in STEMS or (stem == "conv" and (self.family != "naflex" or pretrained)):
-            raise ValueError(f"VisionTower: stem must be one of {STEMS} ('conv' needs a naflexvit model and no "
-                             f"pretrained timm weights, whose patch embedding is linear), got {stem!r}")  # fmt: skip
+            raise ValueError(
+                f"VisionTower: stem must be one of {STEMS} ('conv' needs a naflexvit model and no "
+                f"pretrained timm weights, whose patch embedding is linear), got {stem!r}"
+            )
         if not timm.is_model(model_name):
             raise ValueError(f"VisionTower: model_name {model_name!r} is not a timm model (see timm.list_models)")
         sizes = dict(embed_dim=embed_dim, depth=depth, num_heads=num_heads, patch_size=patch_size)

@@ -13,25 +13,48 @@ VLM_RENAMED_FIELDS = {"vision_merge": "pixel_shuffle"}
 _TOWER_FIELDS = ("vision_embed_dim", "vision_depth", "vision_heads", "patch_size")
 
 VLM_RULES: tuple[Rule, ...] = (
-    Rule("image_token_id", lambda c: 0 <= c.image_token_id < c.text_config.vocab_size,
-         "must be in [0, text_config.vocab_size={c.text_config.vocab_size})"),
+    Rule(
+        "image_token_id",
+        lambda c: 0 <= c.image_token_id < c.text_config.vocab_size,
+        "must be in [0, text_config.vocab_size={c.text_config.vocab_size})",
+    ),
     field_rule("pixel_shuffle", lambda m: m in (1, 2, 4), "allowed values are 1 (none), 2 and 4 (2x2 / 4x4)"),
     Rule("max_patches", lambda c: c.max_patches >= c.pixel_shuffle**2, "must be >= pixel_shuffle**2"),
-    *(field_rule(f, lambda v: v is None or (isinstance(v, int) and v >= 1), "must be None (timm's) or an int >= 1")
-      for f in _TOWER_FIELDS),
-    Rule("vision_embed_dim", lambda c: None in (c.vision_embed_dim, c.vision_heads)
-         or c.vision_embed_dim % c.vision_heads == 0, "must be divisible by vision_heads"),
+    *(
+        field_rule(f, lambda v: v is None or (isinstance(v, int) and v >= 1), "must be None (timm's) or an int >= 1")
+        for f in _TOWER_FIELDS
+    ),
+    Rule(
+        "vision_embed_dim",
+        lambda c: None in (c.vision_embed_dim, c.vision_heads) or c.vision_embed_dim % c.vision_heads == 0,
+        "must be divisible by vision_heads",
+    ),
     field_rule("image_chunking", lambda v: v in IMAGE_CHUNKING, f"allowed values are {', '.join(IMAGE_CHUNKING)}"),
-    Rule("image_chunking", lambda c: c.image_chunking != "router2d" or c.text_config.chunking == "dynamic",
-         "router2d compares image tokens with two neighbours in the learned router: it needs "
-         "text_config.chunking='dynamic' (got {c.text_config.chunking!r})"),
-    field_rule("vision_model", lambda name: name.startswith(("naflexvit", "vit_")),
-               "must name a timm NaFlexViT ('naflexvit_*') or ViT ('vit_*') model"),
+    Rule(
+        "image_chunking",
+        lambda c: c.image_chunking != "router2d" or c.text_config.chunking == "dynamic",
+        "router2d compares image tokens with two neighbours in the learned router: it needs "
+        "text_config.chunking='dynamic' (got {c.text_config.chunking!r})",
+    ),
+    field_rule(
+        "vision_model",
+        lambda name: name.startswith(("naflexvit", "vit_")),
+        "must name a timm NaFlexViT ('naflexvit_*') or ViT ('vit_*') model",
+    ),
     field_rule("vision_stem", lambda v: v in STEMS, f"allowed values are {', '.join(STEMS)}"),
-    Rule("vision_stem", lambda c: c.vision_stem != "conv" or (c.vision_model.startswith("naflexvit")
-         and not c.vision_pretrained and (c.patch_size is None or c.patch_size % 4 == 0)),
-         "'conv' needs a naflexvit vision_model, no vision_pretrained and a patch_size divisible by 4"),
-)  # fmt: skip
+    Rule(
+        "vision_stem",
+        lambda c: (
+            c.vision_stem != "conv"
+            or (
+                c.vision_model.startswith("naflexvit")
+                and not c.vision_pretrained
+                and (c.patch_size is None or c.patch_size % 4 == 0)
+            )
+        ),
+        "'conv' needs a naflexvit vision_model, no vision_pretrained and a patch_size divisible by 4",
+    ),
+)
 
 # Vision towers per preset: random-init NaFlexViTs small enough for CPU tests and demos.
 VISION_PRESETS = {
@@ -113,9 +136,15 @@ class ConceptMoEVLMConfig(PretrainedConfig):
     def tower_kwargs(self) -> dict:
         """The tower's architecture as ``VisionTower`` keyword arguments (no weights): what the VLM and the vision
         pretrainer build from."""
-        return dict(model_name=self.vision_model, embed_dim=self.vision_embed_dim, depth=self.vision_depth,
-                    num_heads=self.vision_heads, patch_size=self.patch_size, pos_embed=self.vision_pos_embed,
-                    stem=self.vision_stem)  # fmt: skip
+        return dict(
+            model_name=self.vision_model,
+            embed_dim=self.vision_embed_dim,
+            depth=self.vision_depth,
+            num_heads=self.vision_heads,
+            patch_size=self.patch_size,
+            pos_embed=self.vision_pos_embed,
+            stem=self.vision_stem,
+        )
 
     def validate_fields(self) -> None:
         """Raise ``ValueError`` naming the first invalid field and its allowed values (the rules in ``VLM_RULES``)."""

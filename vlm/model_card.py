@@ -38,13 +38,13 @@ def architecture(config, n_params: int) -> str:
             "parameters",
             f"{_millions(n_params)} (backbone {_millions(counted['params_total'])}, "
             f"{_millions(counted['params_active'])} active per token)",
-        ),  # fmt: skip
+        ),
         (
             "backbone",
             f"d_model {text.d_model}, layers encoder / concept / decoder {text.encoder_layers} / "
             f"{text.concept_layers} / {text.decoder_layers}, {text.n_heads} heads, {routed}, "
             f"vocabulary {text.vocab_size}",
-        ),  # fmt: skip
+        ),
         ("chunking", text.chunking),
         ("target R (tokens per concept)", text.target_r if text.chunking == "dynamic" else None),
         ("target R by modality", text.target_r_by_modality),
@@ -53,19 +53,19 @@ def architecture(config, n_params: int) -> str:
             "concept model",
             f"d_model {text.concept_d_model}, {text.concept_num_experts} experts, "
             f"top {text.concept_top_k}, loop x{text.concept_loop}",
-        ),  # fmt: skip
+        ),
         ("joint decoding layers", text.joint_layers),
         ("image chunking", config.image_chunking),
         (
             "vision tower",
             f"timm `{config.vision_model}`, width {config.vision_embed_dim}, depth "
             f"{config.vision_depth}, {config.vision_heads} heads, {stem}",
-        ),  # fmt: skip
+        ),
         (
             "image tokens",
             f"{config.patch_size}-px patches, at most {config.max_patches} per image, "
             f"{config.pixel_shuffle}x{config.pixel_shuffle} pixel shuffle",
-        ),  # fmt: skip
+        ),
     ]
     return _table(rows)
 

@@ -36,8 +36,15 @@ LEGACY_PROCESSOR_FILE = "vlm_processor_config.json"  # what save_pretrained wrot
 class VLMProcessor(ProcessorMixin):
     image_token = IMAGE_TOKEN
     model_input_names = [
-        "input_ids", "attention_mask", "modality_ids", "patches", "patch_coord", "patch_valid", "grid_hw", "num_tokens",
-    ]  # fmt: skip
+        "input_ids",
+        "attention_mask",
+        "modality_ids",
+        "patches",
+        "patch_coord",
+        "patch_valid",
+        "grid_hw",
+        "num_tokens",
+    ]
 
     def __init__(self, tokenizer, image_processor: ImageProcessor | None = None, chat_template: str | None = None):
         image_token_id = add_vlm_tokens(tokenizer)

@@ -65,10 +65,18 @@ class Arm:
 
     def summary(self) -> dict:
         """What ``study.json`` and the match table show of the arm."""
-        return {"name": self.name, "strategy": self.strategy, "chunking": self.config.chunking,
-                "target_r": self.config.effective_r, "targets": self.targets, "overrides": self.overrides,
-                "match_report": self.report, "serves": self.serves, "note": self.note,
-                "train": self.train}  # fmt: skip
+        return {
+            "name": self.name,
+            "strategy": self.strategy,
+            "chunking": self.config.chunking,
+            "target_r": self.config.effective_r,
+            "targets": self.targets,
+            "overrides": self.overrides,
+            "match_report": self.report,
+            "serves": self.serves,
+            "note": self.note,
+            "train": self.train,
+        }
 
 
 def baseline_config(preset: str, tokenizer: str | None = None) -> ConceptMoEConfig:

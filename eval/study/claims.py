@@ -29,8 +29,17 @@ def compare(comp: dict, arms: dict, chance: dict) -> dict:
     a_metric, b_metric = comp["metric"], comp.get("b_metric", comp["metric"])
     a = (arms.get(comp["a"]) or {}).get(a_metric)
     b = (arms.get(comp["b"]) or {}).get(b_metric)
-    row = {"a": comp["a"], "a_metric": a_metric, "b": comp["b"], "b_metric": b_metric, "expect": comp["expect"],
-           "informational": bool(comp.get("informational")), "a_stats": a, "b_stats": b, "notes": []}  # fmt: skip
+    row = {
+        "a": comp["a"],
+        "a_metric": a_metric,
+        "b": comp["b"],
+        "b_metric": b_metric,
+        "expect": comp["expect"],
+        "informational": bool(comp.get("informational")),
+        "a_stats": a,
+        "b_stats": b,
+        "notes": [],
+    }
     if a is None or b is None:
         return {**row, "gap": None, "spread": None, "verdict": NOT_RUN}
     sign = 1.0 if comp["expect"] == "higher" else -1.0
@@ -80,6 +89,13 @@ def judge(claims: list[dict], arms: dict, chance: dict) -> list[dict]:
     out = []
     for claim in claims:
         rows = [compare(c, arms, chance) for c in claim["compare"]]
-        out.append({"id": claim["id"], "paper": claim.get("paper", ""), "claim": claim.get("claim", ""),
-                    "comparisons": rows, "verdict": claim_verdict(rows)})  # fmt: skip
+        out.append(
+            {
+                "id": claim["id"],
+                "paper": claim.get("paper", ""),
+                "claim": claim.get("claim", ""),
+                "comparisons": rows,
+                "verdict": claim_verdict(rows),
+            }
+        )
     return out

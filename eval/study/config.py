@@ -22,10 +22,24 @@ import yaml
 REQUIRED = ("baseline", "seeds", "eval_limit", "data", "eval", "train_base", "arms", "claims")
 # Per-run numbers a claim may compare (eval.study.collect builds them); ``score:TASK:METRIC`` for task scores.
 RUN_METRICS = (
-    "train_loss", "train_lm_loss", "bits_per_token", "mean_score", "eval_r", "eval_r_text", "eval_r_image",
-    "eval_r_err", "train_r", "train_r_text", "train_r_image", "r_in_band", "lmms_r", "lmms_r_text", "lmms_r_image",
-    "train_step_s", "train_wall_s",
-)  # fmt: skip
+    "train_loss",
+    "train_lm_loss",
+    "bits_per_token",
+    "mean_score",
+    "eval_r",
+    "eval_r_text",
+    "eval_r_image",
+    "eval_r_err",
+    "train_r",
+    "train_r_text",
+    "train_r_image",
+    "r_in_band",
+    "lmms_r",
+    "lmms_r_text",
+    "lmms_r_image",
+    "train_step_s",
+    "train_wall_s",
+)
 EXPECT = ("higher", "lower")
 NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
@@ -97,8 +111,18 @@ def _check_arms(cfg: dict) -> None:
         if arm["name"] in names:
             raise StudyConfigError(f"arms[{i}]: name {arm['name']!r} is used twice")
         names.add(arm["name"])
-        unknown = set(arm) - {"name", "chunking", "target_r", "strategy", "match", "after_match", "vlm", "train",
-                              "serves", "note"}  # fmt: skip
+        unknown = set(arm) - {
+            "name",
+            "chunking",
+            "target_r",
+            "strategy",
+            "match",
+            "after_match",
+            "vlm",
+            "train",
+            "serves",
+            "note",
+        }
         if unknown:
             raise StudyConfigError(f"arms[{i}] ({arm['name']}): unknown field {sorted(unknown)[0]!r}")
     if cfg["arms"][0].get("chunking") != "none":

@@ -52,25 +52,39 @@ def results_table(data: dict) -> list[str]:
     scores = [(t, m) for t in tasks for m in main[t]]
     header = ["arm", "n", "target R", "train LM loss", "held-out bits/token"]
     header += [f"{SHORT.get(t, t)} {m}" for t, m in scores] + ["mean score"]
-    header += ["eval R held-out (tot / text / img)", "eval R lmms-eval (tot / text / img)",
-               "train R 2nd half (tot / text / img)", "R in band", "prefill 4K ×base",
-               "train s (steps / wall)"]  # fmt: skip
+    header += [
+        "eval R held-out (tot / text / img)",
+        "eval R lmms-eval (tot / text / img)",
+        "train R 2nd half (tot / text / img)",
+        "R in band",
+        "prefill 4K ×base",
+        "train s (steps / wall)",
+    ]
     rows = []
     for arm in data["arms"]:
         a = data["aggregate"].get(arm["name"]) or {}
         n = len(data["seeds_by_arm"].get(arm["name"], []))
         row = [arm["name"], str(n), _targets(arm), _stat(a.get("train_lm_loss")), _stat(a.get("bits_per_token"))]
         row += [_stat(a.get(f"score:{t}:{m}")) for t, m in scores] + [_stat(a.get("mean_score"))]
-        row += [_triple(a, "eval_"), _triple(a, "lmms_"), _triple(a, "train_"),
-                _stat(a.get("r_in_band"), 0, pct=True) if arm["targets"] else "–",
-                "–" if not a.get("prefill_ratio") else f"×{a['prefill_ratio']['mean']:.2f}",
-                f"{_mean(a.get('train_step_s'), 0)} / {_mean(a.get('train_wall_s'), 0)}"]  # fmt: skip
+        row += [
+            _triple(a, "eval_"),
+            _triple(a, "lmms_"),
+            _triple(a, "train_"),
+            _stat(a.get("r_in_band"), 0, pct=True) if arm["targets"] else "–",
+            "–" if not a.get("prefill_ratio") else f"×{a['prefill_ratio']['mean']:.2f}",
+            f"{_mean(a.get('train_step_s'), 0)} / {_mean(a.get('train_wall_s'), 0)}",
+        ]
         rows.append(row)
     chance = next((c for c in data["chance"].values() if c), {})
-    rows.append(["*chance*", "", "", "", ""] + [_mean({"mean": chance[f"score:{t}:{m}"]}, 3)
-                if chance.get(f"score:{t}:{m}") is not None else "–" for t, m in scores]
-                + [_mean({"mean": chance["mean_score"]}, 3) if chance.get("mean_score") is not None else "–"]
-                + [""] * 6)  # fmt: skip
+    rows.append(
+        ["*chance*", "", "", "", ""]
+        + [
+            _mean({"mean": chance[f"score:{t}:{m}"]}, 3) if chance.get(f"score:{t}:{m}") is not None else "–"
+            for t, m in scores
+        ]
+        + [_mean({"mean": chance["mean_score"]}, 3) if chance.get("mean_score") is not None else "–"]
+        + [""] * 6
+    )
     return _table(header, rows)
 
 
@@ -90,8 +104,16 @@ def task_r_table(data: dict) -> list[str]:
 
 
 def r_control_table(data: dict) -> list[str]:
-    header = ["arm", "target", "train R 2nd half", "R in band (±15%)", "held-out eval R", "eval R error (vs target)",
-              "within 5%", "R on the prefill prompt"]  # fmt: skip
+    header = [
+        "arm",
+        "target",
+        "train R 2nd half",
+        "R in band (±15%)",
+        "held-out eval R",
+        "eval R error (vs target)",
+        "within 5%",
+        "R on the prefill prompt",
+    ]
     prefill = data["prefill"].get("arms") or {}
     rows = []
     for arm in data["arms"]:
@@ -100,9 +122,18 @@ def r_control_table(data: dict) -> list[str]:
         a = data["aggregate"].get(arm["name"]) or {}
         err = a.get("eval_r_err")
         within = "–" if not err else ("yes" if all(v <= 0.05 for v in err["values"]) else "no")
-        rows.append([arm["name"], _targets(arm), _triple(a, "train_"), _stat(a.get("r_in_band"), 0, pct=True),
-                     _triple(a, "eval_"), _stat(err, 1, pct=True), within,
-                     _mean({"mean": prefill[arm["name"]]["eval_r"]}) if arm["name"] in prefill else "–"])  # fmt: skip
+        rows.append(
+            [
+                arm["name"],
+                _targets(arm),
+                _triple(a, "train_"),
+                _stat(a.get("r_in_band"), 0, pct=True),
+                _triple(a, "eval_"),
+                _stat(err, 1, pct=True),
+                within,
+                _mean({"mean": prefill[arm["name"]]["eval_r"]}) if arm["name"] in prefill else "–",
+            ]
+        )
     return _table(header, rows)
 
 
@@ -118,8 +149,17 @@ def claims_section(data: dict) -> list[str]:
             gap = "–" if c["gap"] is None else f"{c['gap']:+.4f}"
             spread = "–" if c["spread"] is None else f"{c['spread']:.4f}"
             verdict = c["verdict"] + (" (informational)" if c["informational"] else "")
-            rows.append([what, _stat(c["a_stats"], 4), _stat(c["b_stats"], 4), gap, spread, verdict,
-                         "; ".join(c["notes"]) or ""])  # fmt: skip
+            rows.append(
+                [
+                    what,
+                    _stat(c["a_stats"], 4),
+                    _stat(c["b_stats"], 4),
+                    gap,
+                    spread,
+                    verdict,
+                    "; ".join(c["notes"]) or "",
+                ]
+            )
         lines += _table(["comparison", "A", "B", "gap (claimed direction)", "spread", "verdict", "notes"], rows)
     if data["claims_not_in_this_selection"]:
         lines += ["", f"Not judged (an arm not in this selection): {', '.join(data['claims_not_in_this_selection'])}."]
@@ -127,16 +167,36 @@ def claims_section(data: dict) -> list[str]:
 
 
 def match_table(data: dict) -> list[str]:
-    header = ["arm", "strategy", "chunking", "changed fields (model.overrides)", "params Δ", "linear FLOPs/token Δ",
-              "attention FLOPs ×", "KV cache ×", "within 2%", "note"]  # fmt: skip
+    header = [
+        "arm",
+        "strategy",
+        "chunking",
+        "changed fields (model.overrides)",
+        "params Δ",
+        "linear FLOPs/token Δ",
+        "attention FLOPs ×",
+        "KV cache ×",
+        "within 2%",
+        "note",
+    ]
     rows = []
     for arm in data["arms"]:
         r = arm["match_report"]
         fields = ", ".join(f"{k}={v}" for k, v in arm["overrides"].items()) or "(the baseline)"
-        rows.append([arm["name"], str(arm["strategy"] or "–"), arm["chunking"], fields,
-                     f"{100 * r['params_mismatch']:+.2f}%", f"{100 * r['flops_linear_mismatch']:+.2f}%",
-                     f"{r['attn_flops_ratio']:.2f}", f"{r['kv_cache_ratio']:.2f}",
-                     "yes" if r["within_tolerance"] else "NO", arm.get("note") or ""])  # fmt: skip
+        rows.append(
+            [
+                arm["name"],
+                str(arm["strategy"] or "–"),
+                arm["chunking"],
+                fields,
+                f"{100 * r['params_mismatch']:+.2f}%",
+                f"{100 * r['flops_linear_mismatch']:+.2f}%",
+                f"{r['attn_flops_ratio']:.2f}",
+                f"{r['kv_cache_ratio']:.2f}",
+                "yes" if r["within_tolerance"] else "NO",
+                arm.get("note") or "",
+            ]
+        )
     return _table(header, rows)
 
 
@@ -162,15 +222,25 @@ def commands_lines(data: dict, study: dict) -> list[str]:
     lines = ["The study (this doc, study.json, the plots):", "", "```", cmd or "(not recorded)", "```"]
     runs = data.get("commands") or {}
     if runs.get("train"):
-        lines += ["", f"Each run, e.g. `{runs['run']}` (every run's own in its result.json): training, then "
-                  "lmms-eval, then `eval.r_report.write_report` and `eval.score_table.write_table` on its `eval/` "
-                  "folder:", "",
-                  "```", shlex.join(runs["train"]), shlex.join(runs["eval"]), "```"]  # fmt: skip
+        lines += [
+            "",
+            f"Each run, e.g. `{runs['run']}` (every run's own in its result.json): training, then "
+            "lmms-eval, then `eval.r_report.write_report` and `eval.score_table.write_table` on its `eval/` "
+            "folder:",
+            "",
+            "```",
+            shlex.join(runs["train"]),
+            shlex.join(runs["eval"]),
+            "```",
+        ]
     if data["prefill"].get("command"):
         lines += ["", "Prefill phase:", "", "```", shlex.join(data["prefill"]["command"]), "```"]
-    lines += ["", f"Data (built only when missing): `scripts/make_shards.py {shlex.join(study['data']['build'])} "
-              f"--out {study['data']['dir']}`; `scripts/make_eval_data.py --out {study['eval']['tasks_dir']} "
-              f"{shlex.join(study['eval']['build'])}`."]  # fmt: skip
+    lines += [
+        "",
+        f"Data (built only when missing): `scripts/make_shards.py {shlex.join(study['data']['build'])} "
+        f"--out {study['data']['dir']}`; `scripts/make_eval_data.py --out {study['eval']['tasks_dir']} "
+        f"{shlex.join(study['eval']['build'])}`.",
+    ]
     return lines
 
 
@@ -181,9 +251,13 @@ def render(data: dict, study: dict, links: dict, notes: str | None, notes_path: 
         ran = data["run_settings"][0]
         train = {k.removeprefix("train."): v for k, v in ran.items() if k.startswith("train.")}
         dat = {k.removeprefix("data."): v for k, v in ran.items() if k.startswith("data.")}
-    mixed = "" if len(data["run_settings"]) < 2 else (
-        f" **The runs differ in their settings** ({len(data['run_settings'])} variants: study.json run_settings)."
-    )  # fmt: skip
+    mixed = (
+        ""
+        if len(data["run_settings"]) < 2
+        else (
+            f" **The runs differ in their settings** ({len(data['run_settings'])} variants: study.json run_settings)."
+        )
+    )
     pf = data["prefill"]
     lines = [
         f"# {study.get('title') or DEFAULT_TITLE}",
@@ -235,9 +309,12 @@ def render(data: dict, study: dict, links: dict, notes: str | None, notes_path: 
         "## Plots",
         "",
     ]
-    titles = {"loss": "Training loss per arm", "r_modality": f"R per modality over training ({data['plots_r_arm']})",
-              "r_control": "Per-step R against the target (the arms of the YAML's plots.r_control)",
-              "score_vs_r": "Score against R"}  # fmt: skip
+    titles = {
+        "loss": "Training loss per arm",
+        "r_modality": f"R per modality over training ({data['plots_r_arm']})",
+        "r_control": "Per-step R against the target (the arms of the YAML's plots.r_control)",
+        "score_vs_r": "Score against R",
+    }
     for key, title in titles.items():
         if key in links:
             lines += [f"![{title}]({links[key]})", ""]

@@ -69,8 +69,14 @@ def measure(baseline: tuple[str, str], arms: list[tuple[str, str]], n_tokens: in
             raise SystemExit(f"prefill: {name} ({path}) has a smaller vocabulary than the baseline's tokenizer")
         models[name] = model
     base_name = baseline[0]
-    out = {"tokens": int(ids.shape[1]), "repeats": repeats, "threads": torch.get_num_threads(), "baseline": base_name,
-           "exports": dict([baseline, *arms]), "arms": {}}  # fmt: skip
+    out = {
+        "tokens": int(ids.shape[1]),
+        "repeats": repeats,
+        "threads": torch.get_num_threads(),
+        "baseline": base_name,
+        "exports": dict([baseline, *arms]),
+        "arms": {},
+    }
     for name, _ in [baseline, *arms]:
         base_t, arm_t, stats = [], [], {}
         _timed(models[base_name], ids)
@@ -80,10 +86,18 @@ def measure(baseline: tuple[str, str], arms: list[tuple[str, str]], n_tokens: in
             t, stats = _timed(models[name], ids)
             arm_t.append(t)
         base_ms, arm_ms = 1e3 * statistics.median(base_t), 1e3 * statistics.median(arm_t)
-        out["arms"][name] = {"ms": arm_ms, "baseline_ms": base_ms, "ratio": arm_ms / base_ms,
-                             "eval_r": stats.get("r"), "tokens": stats.get("tokens")}  # fmt: skip
-        print(f"prefill {name}: {arm_ms:.0f} ms vs {base_name} {base_ms:.0f} ms (x{arm_ms / base_ms:.3f}), "
-              f"R {stats.get('r', 1.0):.2f}", flush=True)  # fmt: skip
+        out["arms"][name] = {
+            "ms": arm_ms,
+            "baseline_ms": base_ms,
+            "ratio": arm_ms / base_ms,
+            "eval_r": stats.get("r"),
+            "tokens": stats.get("tokens"),
+        }
+        print(
+            f"prefill {name}: {arm_ms:.0f} ms vs {base_name} {base_ms:.0f} ms (x{arm_ms / base_ms:.3f}), "
+            f"R {stats.get('r', 1.0):.2f}",
+            flush=True,
+        )
     return out
 
 

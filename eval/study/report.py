@@ -22,8 +22,14 @@ from eval.study.claims import judge
 from eval.study.collect import aggregate, chance_of, collect_run, read_json, run_dir
 
 _CHANCE_METRICS = ("mean_score",)
-SETTINGS = (("train", "max_steps"), ("train", "lr"), ("train", "warmup"), ("train", "eval_batches"),
-            ("data", "seq_len"), ("data", "batch_size"))  # fmt: skip
+SETTINGS = (
+    ("train", "max_steps"),
+    ("train", "lr"),
+    ("train", "warmup"),
+    ("train", "eval_batches"),
+    ("data", "seq_len"),
+    ("data", "batch_size"),
+)
 
 
 def run_settings(path: Path) -> dict:
@@ -61,12 +67,16 @@ def gather(study: dict, arms: list[Arm]) -> dict:
                 settings.append(mine)
             if not commands:
                 result = read_json(path / "result.json") or {}
-                commands = {"train": (result.get("train") or {}).get("command"),
-                            "eval": (result.get("eval") or {}).get("command"), "run": str(path)}  # fmt: skip
+                commands = {
+                    "train": (result.get("train") or {}).get("command"),
+                    "eval": (result.get("eval") or {}).get("command"),
+                    "run": str(path),
+                }
         numbers = list(runs[arm.name].values())
         agg[arm.name] = aggregate(numbers)
-        chance[arm.name] = {k: chance_of(numbers[0], k, main, tasks) for k in (*_CHANCE_METRICS, *score_keys)} \
-            if numbers else {}  # fmt: skip
+        chance[arm.name] = (
+            {k: chance_of(numbers[0], k, main, tasks) for k in (*_CHANCE_METRICS, *score_keys)} if numbers else {}
+        )
     prefill = read_json(Path(study["out"]) / "prefill.json") or {}
     for arm in arms:
         entry = (prefill.get("arms") or {}).get(arm.name)
@@ -75,17 +85,34 @@ def gather(study: dict, arms: list[Arm]) -> dict:
     names = {a.name for a in arms}
     claims = [c for c in study["claims"] if all(x in names for comp in c["compare"] for x in (comp["a"], comp["b"]))]
     skipped_claims = [c["id"] for c in study["claims"] if c not in claims]
-    return _finite({
-        "generated": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "quick": study["quick"], "out": study["out"], "seeds_requested": study["seeds"],
-        "baseline": study["baseline"], "chunked_defaults": study.get("chunked_defaults"),
-        "train_base": study["train_base"], "run_settings": settings,
-        "eval": {"tasks": tasks, "main_metrics": {t: main[t] for t in tasks}, "limit": study["eval_limit"],
-                 "tasks_dir": ev["tasks_dir"]},
-        "r_band": band, "arms": [a.summary() for a in arms], "runs": runs, "aggregate": agg, "chance": chance,
-        "prefill": prefill, "claims": judge(claims, agg, chance), "claims_not_in_this_selection": skipped_claims,
-        "commands": commands, "seeds_by_arm": {a.name: sorted(runs[a.name]) for a in arms},
-    })  # fmt: skip
+    return _finite(
+        {
+            "generated": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "quick": study["quick"],
+            "out": study["out"],
+            "seeds_requested": study["seeds"],
+            "baseline": study["baseline"],
+            "chunked_defaults": study.get("chunked_defaults"),
+            "train_base": study["train_base"],
+            "run_settings": settings,
+            "eval": {
+                "tasks": tasks,
+                "main_metrics": {t: main[t] for t in tasks},
+                "limit": study["eval_limit"],
+                "tasks_dir": ev["tasks_dir"],
+            },
+            "r_band": band,
+            "arms": [a.summary() for a in arms],
+            "runs": runs,
+            "aggregate": agg,
+            "chance": chance,
+            "prefill": prefill,
+            "claims": judge(claims, agg, chance),
+            "claims_not_in_this_selection": skipped_claims,
+            "commands": commands,
+            "seeds_by_arm": {a.name: sorted(runs[a.name]) for a in arms},
+        }
+    )
 
 
 def _rel(path: Path, start: Path) -> str:
@@ -114,8 +141,15 @@ def write(study: dict, arms: list[Arm], doc: Path, plots_dir: Path, context: dic
     if control:
         figures["r_control"] = plots.r_control(study["out"], control, study["seeds"], plots_dir / "r_control.png")
     sweep = [a for a in arms if a.name in (cfg_plots.get("score_vs_r") or names)]
-    points = [(a.name, a.config.effective_r, data["aggregate"][a.name].get("mean_score"),
-               data["aggregate"][a.name].get("bits_per_token")) for a in sweep]  # fmt: skip
+    points = [
+        (
+            a.name,
+            a.config.effective_r,
+            data["aggregate"][a.name].get("mean_score"),
+            data["aggregate"][a.name].get("bits_per_token"),
+        )
+        for a in sweep
+    ]
     chance = next((c.get("mean_score") for c in data["chance"].values() if c), None)
     figures["score_vs_r"] = plots.score_vs_r(points, plots_dir / "score_vs_r.png", chance)
     data["plots"] = {k: str(v) for k, v in figures.items() if v is not None}

@@ -39,8 +39,14 @@ from eval.study.arms import Arm
 from eval.study.collect import read_json, run_dir
 
 REPO = Path(__file__).resolve().parents[2]
-OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-               "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # fmt: skip
+OFFLINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 _REPORT_LOCK = threading.Lock()  # the R report draws with matplotlib: one at a time
 _PORT_LOCK = threading.Lock()
@@ -160,11 +166,27 @@ def train_command(study: dict, path: Path) -> list[str]:
 def eval_command(study: dict, path: Path) -> list[str]:
     ev = study["eval"]
     return [
-        python(), "-m", "lmms_eval", "--model", "conceptmoe", "--model_args", f"pretrained={path / 'train' / 'hf'}",
-        "--tasks", ",".join(ev["tasks"]), "--include_path", str(ev["tasks_dir"]), "--batch_size",
-        str(ev.get("batch_size", 8)), "--limit", str(study["eval_limit"]), "--output_path", str(path / "eval"),
-        "--log_samples", "--verbosity", "DEBUG",
-    ]  # fmt: skip
+        python(),
+        "-m",
+        "lmms_eval",
+        "--model",
+        "conceptmoe",
+        "--model_args",
+        f"pretrained={path / 'train' / 'hf'}",
+        "--tasks",
+        ",".join(ev["tasks"]),
+        "--include_path",
+        str(ev["tasks_dir"]),
+        "--batch_size",
+        str(ev.get("batch_size", 8)),
+        "--limit",
+        str(study["eval_limit"]),
+        "--output_path",
+        str(path / "eval"),
+        "--log_samples",
+        "--verbosity",
+        "DEBUG",
+    ]
 
 
 def _train(study: dict, arm: Arm, seed: int, path: Path, log: Log) -> dict | None:
@@ -237,8 +259,13 @@ def run_one(study: dict, arm: Arm, seed: int, deadline: float | None, stop: thre
     evaluation = _evaluate(study, arm, seed, path, log) if train and not stop.is_set() else None
     if not evaluation:
         return "stopped" if stop.is_set() else "failed"
-    result = {"arm": arm.name, "seed": seed, "train": train, "eval": evaluation,
-              "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}  # fmt: skip
+    result = {
+        "arm": arm.name,
+        "seed": seed,
+        "train": train,
+        "eval": evaluation,
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
     (path / "result.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
     log(f"{arm.name}/seed{seed}: finished")
     return "finished"
@@ -291,8 +318,19 @@ def run_prefill(study: dict, arms: list[Arm], log: Log) -> None:
         log("prefill: up to date")
         return
     pf = study["prefill"]
-    cmd = [python(), "-m", "eval.study.prefill", "--out", str(out), "--baseline", f"{base}={exports[base]}",
-           "--tokens", str(pf.get("tokens", 4096)), "--repeats", str(pf.get("repeats", 3))]  # fmt: skip
+    cmd = [
+        python(),
+        "-m",
+        "eval.study.prefill",
+        "--out",
+        str(out),
+        "--baseline",
+        f"{base}={exports[base]}",
+        "--tokens",
+        str(pf.get("tokens", 4096)),
+        "--repeats",
+        str(pf.get("repeats", 3)),
+    ]
     for name, path in exports.items():
         if name != base:
             cmd += ["--arm", f"{name}={path}"]

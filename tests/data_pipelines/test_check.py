@@ -122,9 +122,13 @@ def test_defaults_are_the_training_defaults():
 
 @pytest.mark.parametrize(
     "text, message",
-    [(None, "No such file"), ("data: [1", "invalid YAML at line 1"), ("train: {}", "no 'data' section"),
-     ("data: {shards: x.tar, seq_lenn: 3}", "unknown field 'data.seq_lenn'")],
-)  # fmt: skip
+    [
+        (None, "No such file"),
+        ("data: [1", "invalid YAML at line 1"),
+        ("train: {}", "no 'data' section"),
+        ("data: {shards: x.tar, seq_lenn: 3}", "unknown field 'data.seq_lenn'"),
+    ],
+)
 def test_bad_config_exits_2_with_one_line(tmp_path, capsys, text, message):
     path = tmp_path / "run.yaml"
     if text is not None:

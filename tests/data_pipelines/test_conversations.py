@@ -82,9 +82,19 @@ def test_prefix_property_and_splits(kind):
 def test_make_shards_writes_the_chat_kinds(tmp_path):
     out = tmp_path / "shards"
     cmd = [
-        sys.executable, str(REPO / "scripts" / "make_shards.py"), "--synthetic", ",".join(CHAT_KINDS),
-        "--out", str(out), "--num-samples", "2", "--eval-samples", "1", "--seed", "0",
-    ]  # fmt: skip
+        sys.executable,
+        str(REPO / "scripts" / "make_shards.py"),
+        "--synthetic",
+        ",".join(CHAT_KINDS),
+        "--out",
+        str(out),
+        "--num-samples",
+        "2",
+        "--eval-samples",
+        "1",
+        "--seed",
+        "0",
+    ]
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

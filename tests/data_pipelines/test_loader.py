@@ -125,10 +125,17 @@ WANT = {**dict.fromkeys(SKIP_KINDS, 0), **PLANTED}  # every kind reported, the p
 def test_resume_yields_the_uninterrupted_batches(corrupt_dir, one_shard, tok, shards, num_workers, split_documents):
     def loader():
         return make_dataloader(
-            str(corrupt_dir / "*.tar") if shards == "many" else one_shard, tok, batch_size=2,
-            seq_len=96 if split_documents else SEQ, num_workers=num_workers, shuffle_buffer=4,
-            max_image_pixels=SMALL_PIXEL_LIMIT, split_documents=split_documents, epochs=4, seed=7,
-        )  # fmt: skip
+            str(corrupt_dir / "*.tar") if shards == "many" else one_shard,
+            tok,
+            batch_size=2,
+            seq_len=96 if split_documents else SEQ,
+            num_workers=num_workers,
+            shuffle_buffer=4,
+            max_image_pixels=SMALL_PIXEL_LIMIT,
+            split_documents=split_documents,
+            epochs=4,
+            seed=7,
+        )
 
     reference = loader()
     batches, states, stats = [], [], []

@@ -45,7 +45,7 @@ def test_llava_speakers_user_assistant_model_and_system_become_roles(tmp_path, c
                 _turn("user", "Bye"),
                 _turn("model", "Ciao"),
             ],
-        },  # fmt: skip
+        },
         {"id": "sys", "conversations": [_turn("system", "Be terse."), _turn("user", "Q?"), _turn("assistant", "A.")]},
         {"id": "bot", "conversations": [_turn("user", "Hi"), _turn("bot", "Yo")]},  # still not a speaker we know
         {"id": "late-system", "conversations": [_turn("user", "Hi"), _turn("system", "x"), _turn("gpt", "y")]},
@@ -73,8 +73,14 @@ def escape(tmp_path):
     secret = _png(tmp_path / "secret.png", (0, 0, 255))
     os.symlink(tmp_path / "secret.png", root / "link.png")
     os.symlink(root / "coco" / "in.png", root / "alias.png")  # a link that stays inside is fine
-    images = {"in": "coco/in.png", "dotdot-inside": "coco/../coco/in.png", "alias": "alias.png",
-              "dotdot": "../secret.png", "absolute": str(tmp_path / "secret.png"), "symlink": "link.png"}  # fmt: skip
+    images = {
+        "in": "coco/in.png",
+        "dotdot-inside": "coco/../coco/in.png",
+        "alias": "alias.png",
+        "dotdot": "../secret.png",
+        "absolute": str(tmp_path / "secret.png"),
+        "symlink": "link.png",
+    }
     chat = [_turn("human", "<image>"), _turn("gpt", "x")]
     entries = [{"id": key, "image": image, "conversations": chat} for key, image in images.items()]
     (tmp_path / "d.json").write_text(json.dumps(entries))
@@ -110,8 +116,10 @@ def test_outside_images_are_read_when_the_user_opts_in(escape, capsys):
 def test_messages_image_parts_are_held_to_the_root_too(escape):
     tmp_path, _, _ = escape
     user = lambda image: {"role": "user", "content": [{"type": "image", "image": image}]}
-    lines = [{"id": i, "messages": [user(p), {"role": "assistant", "content": "x"}]}
-             for i, p in enumerate(["coco/in.png", "../secret.png", "link.png"])]  # fmt: skip
+    lines = [
+        {"id": i, "messages": [user(p), {"role": "assistant", "content": "x"}]}
+        for i, p in enumerate(["coco/in.png", "../secret.png", "link.png"])
+    ]
     path = tmp_path / "root" / "m.jsonl"  # without an image root, the file's folder is the root
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     stats = SourceStats()

@@ -39,28 +39,48 @@ def hand_made() -> list[Sample]:
     a text split over two segments."""
     rng = random.Random(7)
     return [
-        Sample("hand-0", [], turns=[
-            Turn("system", [Segment(text="You are terse. Answer in one word.")]),
-            Turn("user", [picture(rng), Segment(text="\nWhat colour is the shape?")]),
-            Turn("assistant", [Segment(text="red")]),
-            Turn("user", [Segment(text="And this one? "), picture(rng, "jpg")]),
-            Turn("assistant", [Segment(text="It is blue.")]),
-        ]),
-        Sample("hand-1", [], turns=[
-            Turn("system", [Segment(text="Describe pictures.\nBe exact — units in cm, ümlauts kept.")]),
-            Turn("user", [Segment(text="Hello!")]),
-            Turn("assistant", [Segment(text="Hi. Send a picture.")]),
-            Turn("user", [Segment(text="Left: "), picture(rng, mode="RGBA"), Segment(text="\nright: "),
-                          picture(rng, "jpg"), Segment(text="\nWhich is larger?")]),
-            Turn("assistant", [Segment(text="  The left one, by 3 cm.\n")]),
-        ]),
-        Sample("hand-2", [], turns=[
-            Turn("user", [picture(rng), Segment(text="\n"), picture(rng, mode="L"), Segment(text="\nSame?")]),
-            Turn("assistant", [Segment(text="No")]),
-            Turn("user", [Segment(text="Hel"), Segment(text="lo again. Why not?")]),  # one text, cut mid-word
-            Turn("assistant", [Segment(text="Different shapes: {square, circle}.")]),
-        ]),
-    ]  # fmt: skip
+        Sample(
+            "hand-0",
+            [],
+            turns=[
+                Turn("system", [Segment(text="You are terse. Answer in one word.")]),
+                Turn("user", [picture(rng), Segment(text="\nWhat colour is the shape?")]),
+                Turn("assistant", [Segment(text="red")]),
+                Turn("user", [Segment(text="And this one? "), picture(rng, "jpg")]),
+                Turn("assistant", [Segment(text="It is blue.")]),
+            ],
+        ),
+        Sample(
+            "hand-1",
+            [],
+            turns=[
+                Turn("system", [Segment(text="Describe pictures.\nBe exact — units in cm, ümlauts kept.")]),
+                Turn("user", [Segment(text="Hello!")]),
+                Turn("assistant", [Segment(text="Hi. Send a picture.")]),
+                Turn(
+                    "user",
+                    [
+                        Segment(text="Left: "),
+                        picture(rng, mode="RGBA"),
+                        Segment(text="\nright: "),
+                        picture(rng, "jpg"),
+                        Segment(text="\nWhich is larger?"),
+                    ],
+                ),
+                Turn("assistant", [Segment(text="  The left one, by 3 cm.\n")]),
+            ],
+        ),
+        Sample(
+            "hand-2",
+            [],
+            turns=[
+                Turn("user", [picture(rng), Segment(text="\n"), picture(rng, mode="L"), Segment(text="\nSame?")]),
+                Turn("assistant", [Segment(text="No")]),
+                Turn("user", [Segment(text="Hel"), Segment(text="lo again. Why not?")]),  # one text, cut mid-word
+                Turn("assistant", [Segment(text="Different shapes: {square, circle}.")]),
+            ],
+        ),
+    ]
 
 
 def conversations() -> list[Sample]:
@@ -101,11 +121,13 @@ def loader_documents(batches, images_per_doc: list[int]) -> list[dict]:
                 k = next(counts)
                 pick = slice(image, image + k)
                 image += k
-                docs.append({
-                    "input_ids": batch["input_ids"][r, where].tolist(),
-                    "modality_ids": batch["modality_ids"][r, where].tolist(),
-                    **{key: batch[key][pick] for key in ("patches", "patch_coord", "patch_valid", "grid_hw")},
-                })  # fmt: skip
+                docs.append(
+                    {
+                        "input_ids": batch["input_ids"][r, where].tolist(),
+                        "modality_ids": batch["modality_ids"][r, where].tolist(),
+                        **{key: batch[key][pick] for key in ("patches", "patch_coord", "patch_valid", "grid_hw")},
+                    }
+                )
         assert image == batch["grid_hw"].shape[0]
     return docs
 
@@ -122,9 +144,15 @@ def test_loader_and_processor_encode_every_conversation_alike(processor, tmp_pat
     shards = [str(tmp_path / "train" / name) for name in manifest["shards"]]
     tok = processor.tokenizer
     loader = make_dataloader(
-        shards, tok, processor.image_processor, seq_len=SEQ_LEN, batch_size=1, epochs=1, shuffle=False,
+        shards,
+        tok,
+        processor.image_processor,
+        seq_len=SEQ_LEN,
+        batch_size=1,
+        epochs=1,
+        shuffle=False,
         image_token_id=processor.image_token_id,
-    )  # fmt: skip
+    )
     docs = loader_documents(list(loader), [s.num_images for s in samples])
     assert len(docs) == len(samples) and not any(loader.stats()["skipped"].values())
 

@@ -167,8 +167,11 @@ def test_cli_generator_options_reach_the_samples_and_the_manifest(tmp_path, caps
     assert manifest["options"] == {"max_objects": 1, "object_size": [0.6, 0.9]}
     assert all(len(s.meta["objects"]) == 1 and s.meta["objects"][0]["size"] == "large" for s in got)
     capsys.readouterr()
-    for bad, says in ((["--option", "object_size=2"], "object_size must be"), (["--option", "nope"], "KEY=VALUE"),
-                      (["--option", "min_units=3"], "min_units taken by none of")):  # fmt: skip
+    for bad, says in (
+        (["--option", "object_size=2"], "object_size must be"),
+        (["--option", "nope"], "KEY=VALUE"),
+        (["--option", "min_units=3"], "min_units taken by none of"),
+    ):
         with pytest.raises(SystemExit) as refused:
             main(argv + bad)
         assert refused.value.code == 2 and says in capsys.readouterr().err.splitlines()[-1], bad

@@ -12,8 +12,11 @@ from data_pipelines.synthetic import GENERATORS, generate, interleave, needles, 
 
 KINDS = sorted(GENERATORS)
 INSTRUCTIONS = (
-    prompts.SCENEQA_INSTRUCTION, prompts.REFLOC_INSTRUCTION, prompts.LONGDOC_INSTRUCTION, prompts.NIAH_INSTRUCTION
-)  # fmt: skip
+    prompts.SCENEQA_INSTRUCTION,
+    prompts.REFLOC_INSTRUCTION,
+    prompts.LONGDOC_INSTRUCTION,
+    prompts.NIAH_INSTRUCTION,
+)
 N = {"scenes": 12, "documents": 3, "needles": 4, "text": 12, "scenes_chat": 12, "documents_chat": 3, "needles_chat": 4}
 
 

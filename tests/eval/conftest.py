@@ -22,8 +22,15 @@ def tiny_checkpoint(tmp_path_factory):
     return out
 
 
-SMALL_SETS = dict(longdoc_per_bucket=1, longdoc_pages=(1, 2), niah_per_bucket=2, niah_lengths=("short",),
-                  refloc_n=3, sceneqa_n=3, sceneqa_one_n=3)  # fmt: skip
+SMALL_SETS = dict(
+    longdoc_per_bucket=1,
+    longdoc_pages=(1, 2),
+    niah_per_bucket=2,
+    niah_lengths=("short",),
+    refloc_n=3,
+    sceneqa_n=3,
+    sceneqa_one_n=3,
+)
 
 
 @pytest.fixture(scope="session")

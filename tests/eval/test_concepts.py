@@ -170,8 +170,9 @@ def test_cli_writes_png_and_html_and_prints_the_models_r(saved, capsys):
 
 def test_cli_reads_a_shard_sample_and_refuses_bad_input_in_one_line(saved, capsys):
     shards = str(saved / "shard-*.tar")
-    code, out, err = run_cli(["--model", saved / "chunked", "--shards", shards, "--index", 1, "--out",
-                              saved / "s.png"], capsys)  # fmt: skip
+    code, out, err = run_cli(
+        ["--model", saved / "chunked", "--shards", shards, "--index", 1, "--out", saved / "s.png"], capsys
+    )
     assert code == 0 and (saved / "s.png").is_file(), err
     model, processor = ConceptMoEVLM.from_pretrained(saved / "chunked"), VLMProcessor.from_pretrained(saved / "chunked")
     cmap = concept_map_for_sample(model, processor, shards, 1)
@@ -195,8 +196,20 @@ def test_cli_legend_and_token_strip_count_an_images_concepts_alike(saved, capsys
     is closed by the text after it (which the strip once counted too: 16 tokens / 4 concepts vs 5 concepts)."""
     text = "<image>What is it?"
     page = saved / "agree.html"
-    code, _, err = run_cli(["--model", saved / "chunked", "--image", saved / "img0.png", "--text", text, "--out",
-                            page.with_suffix(".png"), "--html"], capsys)  # fmt: skip
+    code, _, err = run_cli(
+        [
+            "--model",
+            saved / "chunked",
+            "--image",
+            saved / "img0.png",
+            "--text",
+            text,
+            "--out",
+            page.with_suffix(".png"),
+            "--html",
+        ],
+        capsys,
+    )
     assert code == 0, err
     html_text = page.read_text()
     legend = re.search(r"image R \S+ \((\d+) tokens / (\d+) concepts", html_text).groups()

@@ -28,11 +28,27 @@ def lmms_run(tiny_checkpoint, eval_tasks_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("lmms_out")
     env = os.environ | {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     cmd = [
-        sys.executable, "-m", "lmms_eval", "--model", "conceptmoe",
-        "--model_args", f"pretrained={tiny_checkpoint}", "--batch_size", "2",
-        "--tasks", ",".join(TASKS), "--include_path", str(eval_tasks_dir), "--limit", "2",
-        "--output_path", str(out), "--log_samples", "--verbosity", "DEBUG",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "lmms_eval",
+        "--model",
+        "conceptmoe",
+        "--model_args",
+        f"pretrained={tiny_checkpoint}",
+        "--batch_size",
+        "2",
+        "--tasks",
+        ",".join(TASKS),
+        "--include_path",
+        str(eval_tasks_dir),
+        "--limit",
+        "2",
+        "--output_path",
+        str(out),
+        "--log_samples",
+        "--verbosity",
+        "DEBUG",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO_ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return out

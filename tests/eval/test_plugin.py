@@ -112,8 +112,9 @@ def test_chunking_overrides(tiny_checkpoint):
     p = ConceptMoELMMs(pretrained=str(tiny_checkpoint), chunking="fixed", target_r="4", record_stats="false")
     assert p.model.language_model.model.config.chunking == "fixed"
     item = {"prompt": "one two three four five six seven eight nine ten eleven twelve", "images": []}
-    _, (stats,) = gen.generate_batch(p.model, p.processor, [item], gen.GenSettings(until=[], max_new_tokens=1), None,
-                                     p._device)  # fmt: skip
+    _, (stats,) = gen.generate_batch(
+        p.model, p.processor, [item], gen.GenSettings(until=[], max_new_tokens=1), None, p._device
+    )
     assert stats["concepts"] == math.ceil(stats["tokens"] / 4)  # a boundary every 4 tokens, exactly
     with pytest.raises(ValueError, match="chunking"):
         ConceptMoELMMs(pretrained=str(tiny_checkpoint), chunking="none")
@@ -141,8 +142,11 @@ def test_chat_template_modes_build_the_expected_prompt_ids(tiny_checkpoint, eval
     context = common.sceneqa_text(doc)
     g = doc["generator"]
     *_, base = generate("scenes", g["index"] + 1, g["seed"], g["split"])
-    (conv,) = [c for c in conversations.conversations("scenes_chat", base, g["seed"], g["split"], g["index"])
-               if c.meta["question"] == doc["question"]]  # fmt: skip
+    (conv,) = [
+        c
+        for c in conversations.conversations("scenes_chat", base, g["seed"], g["split"], g["index"])
+        if c.meta["question"] == doc["question"]
+    ]
     prompts = {}
     for mode in (None, "none"):
         p = ConceptMoELMMs(pretrained=str(tiny_checkpoint), record_stats="false", chat_template=mode)

@@ -135,15 +135,24 @@ def _eval_folder(root: Path) -> Path:
         root / "cmoe_refloc_r_stats.jsonl",
         [
             {
-                "task": "cmoe_refloc", "dataset": "scenes_a", "doc_id": 0, "score": 1.0,
-                "tokens_by_modality": {"0": 10, "1": 90}, "concepts_by_modality": {"0": 5, "1": 30},
+                "task": "cmoe_refloc",
+                "dataset": "scenes_a",
+                "doc_id": 0,
+                "score": 1.0,
+                "tokens_by_modality": {"0": 10, "1": 90},
+                "concepts_by_modality": {"0": 5, "1": 30},
             },
             {
-                "task": "cmoe_refloc", "dataset": "scenes_b", "doc_id": 1, "score": 0.0, "miou": 0.9,
-                "tokens_by_modality": {"0": 20, "1": 60}, "concepts_by_modality": {"0": 5, "1": 30},
+                "task": "cmoe_refloc",
+                "dataset": "scenes_b",
+                "doc_id": 1,
+                "score": 0.0,
+                "miou": 0.9,
+                "tokens_by_modality": {"0": 20, "1": 60},
+                "concepts_by_modality": {"0": 5, "1": 30},
             },
         ],
-    )  # fmt: skip
+    )
     model_dir = root / "conceptmoe"
     model_dir.mkdir()
     results = {
@@ -281,8 +290,12 @@ def test_tail_r_pools_counts_rather_than_averaging_step_ratios(tmp_path):
     """A step with a few image tokens in one concept (R 10) must not weigh like a full one (R 2)."""
 
     def step(s, image_tokens, image_concepts):
-        return {"step": s, "loss": 1.0, "tokens_by_modality": {"0": 20, "1": image_tokens},
-                "concepts_by_modality": {"0": 10, "1": image_concepts}}  # fmt: skip
+        return {
+            "step": s,
+            "loss": 1.0,
+            "tokens_by_modality": {"0": 20, "1": image_tokens},
+            "concepts_by_modality": {"0": 10, "1": image_concepts},
+        }
 
     lines = [step(s, 8, 4) for s in range(1, 19)] + [step(19, 10, 1), step(20, 1000, 500)]
     train = summarize(load_records(_write_lines(tmp_path / "metrics.jsonl", lines)))["train"]

@@ -33,10 +33,17 @@ def folders(tmp_path):
     for task, chance in (("cmoe_sceneqa", {"acc": 0.42, "acc_count": 0.3, "acc_shape": None}), ("cmoe_refloc", {})):
         (tasks / task / "data").mkdir(parents=True)
         (tasks / task / "data" / "manifest.json").write_text(json.dumps({"task": task, "chance": chance}))
-    report = {"eval": {"tasks": {"cmoe_sceneqa": {
-        "r": {"mean": 9.0, "token_weighted": 3.5}, "r_text": {"mean": 2.0, "token_weighted": 2.25},
-        "r_image": {"mean": 5.0, "token_weighted": None},
-    }}}}  # fmt: skip
+    report = {
+        "eval": {
+            "tasks": {
+                "cmoe_sceneqa": {
+                    "r": {"mean": 9.0, "token_weighted": 3.5},
+                    "r_text": {"mean": 2.0, "token_weighted": 2.25},
+                    "r_image": {"mean": 5.0, "token_weighted": None},
+                }
+            }
+        }
+    }
     (out / "r_report.json").write_text(json.dumps(report))
     return out, tasks
 
@@ -46,8 +53,17 @@ def test_table_from_newest_results_manifests_and_r_report(folders):
     table = rows(out, tasks)
     got = {(r["task"], r["metric"]): r for r in table}
     assert sorted(got) == [("cmoe_refloc", "IoU"), ("cmoe_sceneqa", "acc"), ("cmoe_sceneqa", "acc_count")]
-    assert got["cmoe_sceneqa", "acc"] == {"task": "cmoe_sceneqa", "metric": "acc", "score": 0.8, "chance": 0.42,
-                                          "n": None, "p": None, "r": 3.5, "r_text": 2.25, "r_image": 5.0}  # fmt: skip
+    assert got["cmoe_sceneqa", "acc"] == {
+        "task": "cmoe_sceneqa",
+        "metric": "acc",
+        "score": 0.8,
+        "chance": 0.42,
+        "n": None,
+        "p": None,
+        "r": 3.5,
+        "r_text": 2.25,
+        "r_image": 5.0,
+    }
     assert got["cmoe_refloc", "IoU"]["chance"] is None and got["cmoe_refloc", "IoU"]["r"] is None
     text = markdown(table)
     assert text.splitlines()[0] == "| task | metric | score | chance | n | p | R total | R text | R image |"
@@ -60,8 +76,15 @@ def test_table_from_newest_results_manifests_and_r_report(folders):
 def test_r_from_the_per_sample_records_without_a_report(folders):
     out, tasks = folders
     (out / "r_report.json").unlink()
-    records = [{"task": "cmoe_refloc", "doc_id": i, "tokens_by_modality": {"0": 30, "1": 60},
-                "concepts_by_modality": {"0": 10, "1": 10}} for i in range(2)]  # fmt: skip
+    records = [
+        {
+            "task": "cmoe_refloc",
+            "doc_id": i,
+            "tokens_by_modality": {"0": 30, "1": 60},
+            "concepts_by_modality": {"0": 10, "1": 10},
+        }
+        for i in range(2)
+    ]
     (out / "runs__demo__hf" / "r_stats_cmoe_refloc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (row,) = [r for r in rows(out, tasks) if r["task"] == "cmoe_refloc"]
     assert (row["r"], row["r_text"], row["r_image"]) == (pytest.approx(4.5), pytest.approx(3.0), pytest.approx(6.0))
@@ -95,8 +118,15 @@ def test_n_and_binomial_p_from_the_sample_logs_for_0_1_metrics_only(folders):
     for i in range(10):
         typ = "count" if i < 6 else "colour"
         score = float(i < 5)  # count: 5 of 6 right; colour: 0 of 4
-        lines.append({"doc_id": i, "acc": score, "acc_count": {"score": score, "type": typ},
-                      "acc_colour": {"score": score, "type": typ}, "target": "3"})  # fmt: skip
+        lines.append(
+            {
+                "doc_id": i,
+                "acc": score,
+                "acc_count": {"score": score, "type": typ},
+                "acc_colour": {"score": score, "type": typ},
+                "target": "3",
+            }
+        )
     (model / "20250102_000000_samples_cmoe_sceneqa.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     refloc = [{"doc_id": i, "IoU": 0.25 * i, "ACC@0.5": float(i > 1)} for i in range(4)]
     (model / "20250102_000000_samples_cmoe_refloc.jsonl").write_text("".join(json.dumps(x) + "\n" for x in refloc))

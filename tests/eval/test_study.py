@@ -107,8 +107,11 @@ def test_table_is_built_from_the_run_files(quick):
 
 def test_second_invocation_redoes_nothing(quick):
     out, _ = quick
-    stamps = {p: p.stat().st_mtime for arm in ARMS for p in (run(out, arm) / "train" / "metrics.jsonl",
-                                                             run(out, arm) / "result.json")}  # fmt: skip
+    stamps = {
+        p: p.stat().st_mtime
+        for arm in ARMS
+        for p in (run(out, arm) / "train" / "metrics.jsonl", run(out, arm) / "result.json")
+    }
     prefill = (out / "prefill.json").stat().st_mtime
     proc = study(out, timeout=300)
     assert "training (" not in proc.stdout and "evaluating (" not in proc.stdout
@@ -124,8 +127,10 @@ def test_claim_verdicts_follow_the_rule():
     def agg(mean, std, n=3):
         return {"mean": mean, "std": std, "n": n}
 
-    arms = {"a": {"bits_per_token": agg(7.0, 0.05), "mean_score": agg(0.5, 0.01), "x": agg(1.0, None, 1)},
-            "b": {"bits_per_token": agg(7.2, 0.10), "mean_score": agg(0.1, 0.01), "x": agg(2.0, None, 1)}}  # fmt: skip
+    arms = {
+        "a": {"bits_per_token": agg(7.0, 0.05), "mean_score": agg(0.5, 0.01), "x": agg(1.0, None, 1)},
+        "b": {"bits_per_token": agg(7.2, 0.10), "mean_score": agg(0.1, 0.01), "x": agg(2.0, None, 1)},
+    }
     chance = {"a": {"mean_score": 0.2}, "b": {"mean_score": 0.2}}
     verdict = lambda **c: compare({"a": "a", "b": "b", **c}, arms, chance)["verdict"]
     assert verdict(metric="bits_per_token", expect="lower") == "reproduced"  # gap 0.2 > spread 0.1
@@ -135,8 +140,10 @@ def test_claim_verdicts_follow_the_rule():
     arms["b"]["bits_per_token"] = agg(7.08, 0.10)
     assert verdict(metric="bits_per_token", expect="lower") == "inconclusive at this scale"  # gap 0.08 < 0.1
     arms["b"]["bits_per_token"] = agg(7.2, 0.10)
-    both = [{"a": "a", "b": "b", "metric": "bits_per_token", "expect": "lower"},
-            {"a": "a", "b": "b", "metric": "mean_score", "expect": "higher"}]  # fmt: skip
+    both = [
+        {"a": "a", "b": "b", "metric": "bits_per_token", "expect": "lower"},
+        {"a": "a", "b": "b", "metric": "mean_score", "expect": "higher"},
+    ]
     [claim] = judge([{"id": "c", "paper": "p", "claim": "t", "compare": both}], arms, chance)
     assert claim["verdict"] == "reproduced on 1 of 2 comparisons; the rest inconclusive (at or below chance)"
     both[0]["expect"] = "higher"

@@ -56,8 +56,16 @@ def test_padding_patches_and_caption_tokens_change_no_embedding():
 
 def test_a_tiny_tower_learns_which_caption_names_its_images_colour():
     """Eight flat colours, each with its own one-token caption: retrieval goes from chance (1/8) to every image."""
-    colours = [(255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 0), (0, 255, 255), (255, 0, 255), (0, 0, 0),
-               (255, 255, 255)]  # fmt: skip
+    colours = [
+        (255, 0, 0),
+        (0, 255, 0),
+        (0, 0, 255),
+        (255, 255, 0),
+        (0, 255, 255),
+        (255, 0, 255),
+        (0, 0, 0),
+        (255, 255, 255),
+    ]
     batch = PROC([Image.new("RGB", (24, 16), c) for c in colours])
     ids_BT, mask_BT = torch.arange(1, 9)[:, None], torch.ones(8, 1, dtype=torch.bool)
     model = tiny_pretrainer(vocab=9)

@@ -38,8 +38,13 @@ def run_elsewhere(code: str, tmp_path) -> str:
     env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-c", BLOCK + textwrap.dedent(code)],
-        cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
@@ -62,8 +67,14 @@ def test_every_copy_imports_only_its_siblings_and_installed_packages():
             top += [node.module] if isinstance(node, ast.ImportFrom) and not node.level else []
             for name in top:
                 assert name.split(".")[0] in sys.stdlib_module_names | {
-                    "torch", "transformers", "timm", "PIL", "numpy", "safetensors", "tokenizers",
-                }, f"{module} imports {name}"  # fmt: skip
+                    "torch",
+                    "transformers",
+                    "timm",
+                    "PIL",
+                    "numpy",
+                    "safetensors",
+                    "tokenizers",
+                }, f"{module} imports {name}"
 
 
 @pytest.mark.parametrize(

@@ -27,8 +27,14 @@ def processor(hf_tokenizer):
 
 def make_vlm(processor, mode, seed=0, **overrides):
     torch.manual_seed(seed)
-    model = ConceptMoEVLM.from_preset("tiny", image_token_id=processor.image_token_id, max_patches=64,
-                                      boundary_router_init="random", image_chunking=mode, **overrides)  # fmt: skip
+    model = ConceptMoEVLM.from_preset(
+        "tiny",
+        image_token_id=processor.image_token_id,
+        max_patches=64,
+        boundary_router_init="random",
+        image_chunking=mode,
+        **overrides,
+    )
     return model.eval()
 
 
@@ -131,8 +137,9 @@ def test_interleaved_causality(processor, mode):
     model = make_vlm(processor, mode)
     imgs = images(3, seed=2)
     base = processor(text=["the <image> shows a green circle and <image> shows blue"], images=[imgs[:2]])
-    changed = processor(text=["the <image> shows a green circle and <image> shows a red square!!"],
-                        images=[[imgs[0], imgs[2]]])  # fmt: skip
+    changed = processor(
+        text=["the <image> shows a green circle and <image> shows a red square!!"], images=[[imgs[0], imgs[2]]]
+    )
     slots = (base["modality_ids"][0] == 1).nonzero().flatten()
     cut = int(slots[-base["num_tokens"][1]]) - 1  # the last token before the second image
     a, b = model(**base), model(**changed)

@@ -15,9 +15,10 @@ def test_card_is_hf_metadata_then_the_configs_numbers(tmp_path):
     text = render(config, 1_234_567, "a run")
     _, meta, body = text.split("---\n", 2)
     assert yaml.safe_load(meta) == {
-        "library_name": "transformers", "pipeline_tag": "image-text-to-text",
+        "library_name": "transformers",
+        "pipeline_tag": "image-text-to-text",
         "tags": ["conceptmoe", "mixture-of-experts", "vision-language", "custom_code"],
-    }  # fmt: skip
+    }
     assert body.startswith("\n# a run\n")
     assert "| target R (tokens per concept) | 3.0 |" in body and "| chunking | dynamic |" in body
     assert "1.23 M" in body and "3 convolutions per patch" in body and "trust_remote_code=True" in body
@@ -45,10 +46,14 @@ def test_scores_section_is_replaced_not_appended(tmp_path):
 def test_training_summary_reads_the_run_up_to_the_exported_step(tmp_path):
     config = {
         "model": {"preset": "tiny", "init_from": "runs/stage1/hf"},
-        "data": {"shards": ["data/a/train", "data/b/train"], "eval_shards": ["data/a/eval"], "seq_len": 512,
-                 "loss_on": "auto"},
+        "data": {
+            "shards": ["data/a/train", "data/b/train"],
+            "eval_shards": ["data/a/eval"],
+            "seq_len": 512,
+            "loss_on": "auto",
+        },
         "train": {"lr": 1e-3},
-    }  # fmt: skip
+    }
     rows = [
         {"step": 9, "loss": 1.0, "r": 2.1, "r_text": 1.5, "r_image": 6.0},
         {"step": 10, "split": "eval", "eval_loss": 2.5, "eval_r": 2.4, "eval_r_text": 1.8, "eval_r_image": 7.0},

@@ -92,10 +92,18 @@ def test_a_folder_saved_by_the_old_processor_loads(tmp_path):
     """Before: ``vlm_processor_config.json`` + ``image_processor_config.json`` (its ``merge`` field the first name of
     ``pixel_shuffle``) + the tokenizer's files, next to the model's config.json."""
     load_tokenizer().save_pretrained(tmp_path)
-    (tmp_path / "vlm_processor_config.json").write_text(json.dumps({"processor_class": "VLMProcessor",
-                                                                    "image_token": "<image>"}))  # fmt: skip
-    old = {"image_processor_type": "ImageProcessor", "patch_size": 16, "max_patches": 100, "merge": 1,
-           "mean": [0.5] * 3, "std": [0.5] * 3, "upscale": False}  # fmt: skip
+    (tmp_path / "vlm_processor_config.json").write_text(
+        json.dumps({"processor_class": "VLMProcessor", "image_token": "<image>"})
+    )
+    old = {
+        "image_processor_type": "ImageProcessor",
+        "patch_size": 16,
+        "max_patches": 100,
+        "merge": 1,
+        "mean": [0.5] * 3,
+        "std": [0.5] * 3,
+        "upscale": False,
+    }
     (tmp_path / "image_processor_config.json").write_text(json.dumps(old))
     ConceptMoEVLMConfig.from_preset("tiny").save_pretrained(tmp_path)
     for loaded in (VLMProcessor.from_pretrained(tmp_path), AutoProcessor.from_pretrained(tmp_path)):
@@ -121,11 +129,23 @@ def test_apply_chat_template_is_render_and_its_tokens_are_special(processor):
     assert len(set(special.values()) | {tok.unk_token_id, processor.image_token_id}) == 6  # tokens of their own
     words = lambda s: tok(s, add_special_tokens=False)["input_ids"]
     slots = lambda i: [processor.image_token_id] * n_slots[i]
-    expected = [special["<|system|>"], *words("You are terse."), special["<|end|>"],
-                special["<|user|>"], *slots(0), *words("\nWhat colour is the square?"), special["<|end|>"],
-                special["<|assistant|>"], *words("red"), special["<|end|>"],
-                special["<|user|>"], *words("And here? "), *slots(1), special["<|end|>"],
-                special["<|assistant|>"]]  # fmt: skip
+    expected = [
+        special["<|system|>"],
+        *words("You are terse."),
+        special["<|end|>"],
+        special["<|user|>"],
+        *slots(0),
+        *words("\nWhat colour is the square?"),
+        special["<|end|>"],
+        special["<|assistant|>"],
+        *words("red"),
+        special["<|end|>"],
+        special["<|user|>"],
+        *words("And here? "),
+        *slots(1),
+        special["<|end|>"],
+        special["<|assistant|>"],
+    ]
     assert batch["input_ids"][0].tolist() == list(processor.prefix_ids) + expected + list(processor.suffix_ids)
     assert batch["modality_ids"][0].sum() == sum(n_slots)
     assert processor.decode(batch["input_ids"][0], skip_special_tokens=True) == (

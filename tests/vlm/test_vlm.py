@@ -50,14 +50,22 @@ def test_rows_with_0_1_and_3_images_and_slots_get_their_own_image(processor):
     imgs = images(4)
     batch = processor(text=texts, images=[[], imgs[:1], imgs[1:]])
     with torch.no_grad():
-        embeds = model.embed(batch["input_ids"], batch["modality_ids"], batch["attention_mask"], batch["patches"],
-                             batch["patch_coord"], batch["patch_valid"], batch["grid_hw"])  # fmt: skip
+        embeds = model.embed(
+            batch["input_ids"],
+            batch["modality_ids"],
+            batch["attention_mask"],
+            batch["patches"],
+            batch["patch_coord"],
+            batch["patch_valid"],
+            batch["grid_hw"],
+        )
         out = model(**batch, labels=batch["input_ids"])
         assert torch.isfinite(out.loss)
         for i, img in enumerate(imgs):  # each image's tokens sit, in order, in its own slots
             alone = processor.image_processor([img])
-            expected = model.image_embeddings(alone["patches"], alone["patch_coord"], alone["patch_valid"],
-                                              alone["grid_hw"])  # fmt: skip
+            expected = model.image_embeddings(
+                alone["patches"], alone["patch_coord"], alone["patch_valid"], alone["grid_hw"]
+            )
             start = sum(batch["num_tokens"][:i].tolist())
             slots = embeds[batch["modality_ids"].bool()][start : start + expected.shape[0]]
             assert torch.allclose(slots, expected, atol=1e-5)
@@ -77,8 +85,10 @@ def test_interleaved_causality(processor, modality_boundaries):
     # the second image's first slot may change when that image's pixels or the text after it change
     slots = (base["modality_ids"][0] == 1).nonzero().flatten()
     cut = int(slots[-base["num_tokens"][1]]) - 1
-    changed = processor(text=["the <image> shows a green circle and <image> shows a red square!!"], images=[
-        [imgs[0], imgs[2].resize(imgs[1].size)]])  # fmt: skip
+    changed = processor(
+        text=["the <image> shows a green circle and <image> shows a red square!!"],
+        images=[[imgs[0], imgs[2].resize(imgs[1].size)]],
+    )
     assert torch.equal(changed["modality_ids"][:, : cut + 1], base["modality_ids"][:, : cut + 1])
     with torch.no_grad():
         a, b = model(**base).logits, model(**changed).logits
@@ -89,11 +99,15 @@ def test_interleaved_causality(processor, modality_boundaries):
 
 def test_gradients_reach_vision_tower_projector_and_router(processor):
     model = make_vlm(processor).train()
-    batch = processor(text=["<image> a blue circle on the left.", "<image> <image> two"], images=[images(1),
-                      images(2, seed=3)])  # fmt: skip
+    batch = processor(
+        text=["<image> a blue circle on the left.", "<image> <image> two"], images=[images(1), images(2, seed=3)]
+    )
     model(**batch, labels=batch["input_ids"]).loss.backward()
-    for name, module in [("vision tower", model.vision_tower), ("projector", model.projector),
-                         ("router", model.language_model.model.chunker)]:  # fmt: skip
+    for name, module in [
+        ("vision tower", model.vision_tower),
+        ("projector", model.projector),
+        ("router", model.language_model.model.chunker),
+    ]:
         grads = [p.grad for p in module.parameters() if p.grad is not None]
         assert grads and sum(g.abs().sum() for g in grads) > 0, name
 
@@ -109,8 +123,15 @@ def test_per_modality_identity_and_single_modality_concepts(processor):
             assert sum(stats["tokens_by_modality"].values()) == stats["tokens"]
     # with modality_boundaries every concept's merge window holds a single modality
     mod = batch["modality_ids"][0]
-    embeds = model.embed(batch["input_ids"], batch["modality_ids"], None, batch["patches"], batch["patch_coord"],
-                         batch["patch_valid"], batch["grid_hw"])  # fmt: skip
+    embeds = model.embed(
+        batch["input_ids"],
+        batch["modality_ids"],
+        None,
+        batch["patches"],
+        batch["patch_coord"],
+        batch["patch_valid"],
+        batch["grid_hw"],
+    )
     from vlm.model import modality_span_ends
 
     forced = modality_span_ends(batch["modality_ids"], torch.ones_like(mod, dtype=torch.bool)[None])
@@ -245,8 +266,11 @@ def test_processor_keeps_the_tokenizers_special_tokens_and_takes_flat_images(hf_
 
     from data_pipelines.bpe import train_bpe_tokenizer
 
-    tok = train_bpe_tokenizer(["a red square", "a blue circle"] * 20, vocab_size=280,
-                              special_tokens=("<pad>", "<eos>", "<unk>", "[CLS]", "[SEP]"))  # fmt: skip
+    tok = train_bpe_tokenizer(
+        ["a red square", "a blue circle"] * 20,
+        vocab_size=280,
+        special_tokens=("<pad>", "<eos>", "<unk>", "[CLS]", "[SEP]"),
+    )
     cls_id, sep_id = tok.convert_tokens_to_ids("[CLS]"), tok.convert_tokens_to_ids("[SEP]")
     tok.backend_tokenizer.post_processor = TemplateProcessing(
         single="[CLS] $A [SEP]", special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)]

@@ -220,8 +220,9 @@ def convert_state_dict(src_sd: dict[str, torch.Tensor], config: ConceptMoEConfig
         if m is None:
             raise ValueError(f"source weight {key!r} has no counterpart in ConceptMoE")
         i, rest = int(m.group(1)), m.group(2)
-        stack, j = (("encoder", i) if i < l_e else ("concept_model", i - l_e) if i < l_e + l_c
-                    else ("decoder", i - l_e - l_c))  # fmt: skip
+        stack, j = (
+            ("encoder", i) if i < l_e else ("concept_model", i - l_e) if i < l_e + l_c else ("decoder", i - l_e - l_c)
+        )
         prefix = f"model.{stack}.layers.{j}."
         if rest == "mlp.experts.gate_up_proj":
             out[prefix + "ffn.w_gate_up"] = w.transpose(1, 2).contiguous()

@@ -33,9 +33,15 @@ RENAMED_FIELDS = {
 }
 # The chunking settings a built model may change in place (``set_chunking``): none of them changes a weight shape.
 CHUNKING_SETTINGS = (
-    "chunking", "target_r", "noise_tau", "ratio_loss_weight", "target_r_by_modality", "ratio_loss_modality_weights",
-    "balance_loss_weight", "moe_z_loss_weight",
-)  # fmt: skip
+    "chunking",
+    "target_r",
+    "noise_tau",
+    "ratio_loss_weight",
+    "target_r_by_modality",
+    "ratio_loss_modality_weights",
+    "balance_loss_weight",
+    "moe_z_loss_weight",
+)
 
 
 def rename_legacy_fields(fields: dict, owner: str, renamed: dict[str, str] = RENAMED_FIELDS) -> dict:
@@ -98,15 +104,24 @@ def _modality_weights_ok(c) -> bool:
 
 
 RULES: tuple[Rule, ...] = (
-    *(field_rule(f, _int_at_least(1), "must be an integer >= 1")
-      for f in ("vocab_size", "d_model", "n_heads", "n_kv_heads", "num_experts", "expert_dim")),
-    *(field_rule(f, _int_at_least(0), "must be an integer >= 0")
-      for f in ("encoder_layers", "concept_layers", "decoder_layers", "shared_experts")),
-    Rule("shared_expert_dim", lambda c: c.shared_expert_dim is None
-         or (_int_at_least(1)(c.shared_expert_dim) and c.shared_experts >= 1),
-         "must be None or an int >= 1, with shared_experts >= 1 (it sets the shared SwiGLU's width)"),
-    Rule("shared_expert_gate", lambda c: not c.shared_expert_gate or c.shared_experts >= 1,
-         "needs shared_experts >= 1 (it gates the shared expert's output)"),
+    *(
+        field_rule(f, _int_at_least(1), "must be an integer >= 1")
+        for f in ("vocab_size", "d_model", "n_heads", "n_kv_heads", "num_experts", "expert_dim")
+    ),
+    *(
+        field_rule(f, _int_at_least(0), "must be an integer >= 0")
+        for f in ("encoder_layers", "concept_layers", "decoder_layers", "shared_experts")
+    ),
+    Rule(
+        "shared_expert_dim",
+        lambda c: c.shared_expert_dim is None or (_int_at_least(1)(c.shared_expert_dim) and c.shared_experts >= 1),
+        "must be None or an int >= 1, with shared_experts >= 1 (it sets the shared SwiGLU's width)",
+    ),
+    Rule(
+        "shared_expert_gate",
+        lambda c: not c.shared_expert_gate or c.shared_experts >= 1,
+        "needs shared_experts >= 1 (it gates the shared expert's output)",
+    ),
     field_rule("chunking", _one_of(CHUNKING_MODES), f"allowed values are {CHUNKING_MODES}"),
     field_rule("boundary_router", _one_of(BOUNDARY_ROUTERS), f"allowed values are {BOUNDARY_ROUTERS}"),
     field_rule("boundary_router_init", _one_of(BOUNDARY_ROUTER_INITS), f"allowed values are {BOUNDARY_ROUTER_INITS}"),
@@ -114,37 +129,63 @@ RULES: tuple[Rule, ...] = (
     field_rule("ffn", _one_of(FFN_KINDS), f"allowed values are {FFN_KINDS}"),
     field_rule("qk_norm", _one_of(QK_NORMS), f"allowed values are {QK_NORMS}"),
     Rule("n_kv_heads", lambda c: c.n_heads % c.n_kv_heads == 0, "must divide n_heads={c.n_heads}"),
-    Rule("d_model", lambda c: c.head_dim is not None or c.d_model % c.n_heads == 0,
-         "must be divisible by n_heads={c.n_heads} (or set head_dim)"),
+    Rule(
+        "d_model",
+        lambda c: c.head_dim is not None or c.d_model % c.n_heads == 0,
+        "must be divisible by n_heads={c.n_heads} (or set head_dim)",
+    ),
     Rule("top_k", lambda c: 1 <= c.top_k <= c.num_experts, "must be in [1, num_experts={c.num_experts}]"),
-    *(field_rule(f, _int_at_least(1), "must be an int >= 1 (None: the token-level value)")
-      for f in ("concept_d_model", "concept_num_experts", "concept_top_k", "concept_expert_dim")),
-    Rule("concept_top_k", lambda c: c.concept_top_k <= c.concept_num_experts,
-         "must be in [1, concept_num_experts={c.concept_num_experts}]"),
-    Rule("concept_d_model", lambda c: c.concept_d_model == c.d_model or c.concept_d_model % c.n_heads == 0,
-         "must be divisible by n_heads={c.n_heads}"),
+    *(
+        field_rule(f, _int_at_least(1), "must be an int >= 1 (None: the token-level value)")
+        for f in ("concept_d_model", "concept_num_experts", "concept_top_k", "concept_expert_dim")
+    ),
+    Rule(
+        "concept_top_k",
+        lambda c: c.concept_top_k <= c.concept_num_experts,
+        "must be in [1, concept_num_experts={c.concept_num_experts}]",
+    ),
+    Rule(
+        "concept_d_model",
+        lambda c: c.concept_d_model == c.d_model or c.concept_d_model % c.n_heads == 0,
+        "must be divisible by n_heads={c.n_heads}",
+    ),
     field_rule("concept_loop", _int_at_least(1), "must be an int >= 1"),
-    Rule("concept_loop_layers", lambda c: _int_at_least(0)(c.concept_loop_layers)
-         and c.concept_loop_layers <= c.concept_layers,
-         "must be in [0, concept_layers={c.concept_layers}] (0 = loop all concept layers)"),
+    Rule(
+        "concept_loop_layers",
+        lambda c: _int_at_least(0)(c.concept_loop_layers) and c.concept_loop_layers <= c.concept_layers,
+        "must be in [0, concept_layers={c.concept_layers}] (0 = loop all concept layers)",
+    ),
     field_rule("target_r", lambda r: r >= 1.0, "must be >= 1 (R = N / M)"),
-    Rule("target_r", lambda c: c.chunking != "dynamic" or c.target_r > 1.0,
-         "must be > 1 with chunking='dynamic' (the ratio loss Eq. 4 divides by R - 1); use chunking='none' for R=1"),
+    Rule(
+        "target_r",
+        lambda c: c.chunking != "dynamic" or c.target_r > 1.0,
+        "must be > 1 with chunking='dynamic' (the ratio loss Eq. 4 divides by R - 1); use chunking='none' for R=1",
+    ),
     Rule("head_dim", lambda c: c.token_head_dim % 2 == 0, "must be even (RoPE rotates pairs of channels)"),
     Rule("concept_d_model", lambda c: c.concept_head_dim % 2 == 0, "must give an even per-head width (RoPE)"),
-    Rule("concept_d_model", lambda c: c.chunked or c.concept_d_model == c.d_model,
-         "must equal d_model with chunking='none' (the d <-> d_c projectors belong to chunk / dechunk)"),
+    Rule(
+        "concept_d_model",
+        lambda c: c.chunked or c.concept_d_model == c.d_model,
+        "must equal d_model with chunking='none' (the d <-> d_c projectors belong to chunk / dechunk)",
+    ),
     field_rule("noise_tau", lambda t: t >= 0.0, "must be >= 0 (0 disables boundary noise; the paper uses 6)"),
     field_rule("ratio_loss_weight", lambda w: w >= 0.0, "must be >= 0"),
-    Rule("target_r_by_modality", _modality_targets_ok,
-         "must be None or {{modality id: R > 1}} with chunking='dynamic'"),
-    Rule("ratio_loss_modality_weights", _modality_weights_ok,
-         "must be None or {{modality id: weight >= 0}} for modalities listed in target_r_by_modality"),
+    Rule(
+        "target_r_by_modality", _modality_targets_ok, "must be None or {{modality id: R > 1}} with chunking='dynamic'"
+    ),
+    Rule(
+        "ratio_loss_modality_weights",
+        _modality_weights_ok,
+        "must be None or {{modality id: weight >= 0}} for modalities listed in target_r_by_modality",
+    ),
     field_rule("balance_loss_weight", lambda w: w >= 0.0, "must be >= 0"),
     field_rule("moe_z_loss_weight", lambda w: w >= 0.0, "must be >= 0"),
-    Rule("joint_layers", lambda c: _int_at_least(0)(c.joint_layers) and c.joint_layers <= c.decoder_layers,
-         "must be in [0, decoder_layers={c.decoder_layers}]"),
-)  # fmt: skip
+    Rule(
+        "joint_layers",
+        lambda c: _int_at_least(0)(c.joint_layers) and c.joint_layers <= c.decoder_layers,
+        "must be in [0, decoder_layers={c.decoder_layers}]",
+    ),
+)
 
 
 def _str_keyed(mapping: dict | None) -> dict | None:

@@ -105,10 +105,19 @@ def check_data(config: dict, processor: VLMProcessor | None = None) -> None:
             continue
         try:
             loader = make_dataloader(
-                data[key], processor.tokenizer, processor.image_processor, seq_len=data["seq_len"], batch_size=1,
-                num_workers=0, seed=config["train"]["seed"], epochs=1, image_token_id=processor.image_token_id,
-                shuffle=False, split_documents=data["split_documents"], loss_on=data["loss_on"],
-            )  # fmt: skip
+                data[key],
+                processor.tokenizer,
+                processor.image_processor,
+                seq_len=data["seq_len"],
+                batch_size=1,
+                num_workers=0,
+                seed=config["train"]["seed"],
+                epochs=1,
+                image_token_id=processor.image_token_id,
+                shuffle=False,
+                split_documents=data["split_documents"],
+                loss_on=data["loss_on"],
+            )
         except (OSError, ValueError) as err:
             raise ConfigError(f"data.{key}: {first_line(err)}") from None
         if next(iter(loader), None) is None:

@@ -61,9 +61,16 @@ SCHEMA: dict[str, dict[str, tuple]] = {
     },
 }
 POSITIVE = {
-    "data.batch_size", "data.max_patches", "train.max_steps", "train.save_every", "train.grad_accum",
-    "train.keep_last", "train.log_every", "train.max_nonfinite", "train.eval_batches",
-}  # fmt: skip
+    "data.batch_size",
+    "data.max_patches",
+    "train.max_steps",
+    "train.save_every",
+    "train.grad_accum",
+    "train.keep_last",
+    "train.log_every",
+    "train.max_nonfinite",
+    "train.eval_batches",
+}
 _AT_LEAST_1 = (lambda v: v >= 1, "must be >= 1")
 _NOT_NEGATIVE = (lambda v: v >= 0, "must be >= 0")
 _ABOVE_0 = (lambda v: v > 0, "must be > 0")
@@ -95,9 +102,13 @@ VLM_OVERRIDABLE = (*VLM_SWITCHES, *VLM_CHUNKING)
 INIT_OVERRIDABLE = (*CHUNKING_SETTINGS, *VLM_OVERRIDABLE)
 # Model fields the run sets itself (``build.build_model``): an override of them is refused, naming the config field.
 SET_BY_RUN = {
-    "vocab_size": "data.tokenizer", "image_token_id": "data.tokenizer", "bos_token_id": "data.tokenizer",
-    "eos_token_id": "data.tokenizer", "pad_token_id": "data.tokenizer", "max_patches": "data.max_patches",
-}  # fmt: skip
+    "vocab_size": "data.tokenizer",
+    "image_token_id": "data.tokenizer",
+    "bos_token_id": "data.tokenizer",
+    "eos_token_id": "data.tokenizer",
+    "pad_token_id": "data.tokenizer",
+    "max_patches": "data.max_patches",
+}
 LEGACY_NAMES = {**RENAMED_FIELDS, **VLM_RENAMED_FIELDS}
 
 
@@ -200,8 +211,10 @@ def resolve(raw: dict) -> dict:
         if extra:
             name = sorted(extra)[0]
             raise ConfigError(f"unknown config field '{section}.{name}'; allowed: {', '.join(fields)}")
-        out[section] = {name: _resolve_field(f"{section}.{name}", given, name, default, types)
-                        for name, (default, types) in fields.items()}  # fmt: skip
+        out[section] = {
+            name: _resolve_field(f"{section}.{name}", given, name, default, types)
+            for name, (default, types) in fields.items()
+        }
     for key in ("shards", "eval_shards"):
         if isinstance(out["data"][key], str):
             out["data"][key] = [out["data"][key]]

@@ -26,12 +26,12 @@ _SCHEDULER_TIES = {
         "warmup_max_lr": "train.lr",
         "warmup_num_steps": "train.warmup",
         "total_num_steps": "train.max_steps",
-    },  # fmt: skip
+    },
     "WarmupCosineLR": {
         "warmup_num_steps": "train.warmup",
         "total_num_steps": "train.max_steps",
         "cos_min_ratio": "train.min_lr_ratio",
-    },  # fmt: skip
+    },
 }
 MONITOR_PACKAGES = {"wandb": "wandb", "tensorboard": "tensorboard", "comet": "comet_ml"}
 

@@ -43,11 +43,20 @@ log = logging.getLogger(__name__)
 def make_loader(config: dict, processor, shards: list[str], rank: int, world_size: int, shuffle: bool = True):
     data = config["data"]
     return make_dataloader(
-        shards, processor.tokenizer, processor.image_processor, seq_len=data["seq_len"],
-        batch_size=data["batch_size"], rank=rank, world_size=world_size, num_workers=data["num_workers"],
-        seed=config["train"]["seed"], image_token_id=processor.image_token_id, shuffle=shuffle,
-        split_documents=data["split_documents"], loss_on=data["loss_on"],
-    )  # fmt: skip
+        shards,
+        processor.tokenizer,
+        processor.image_processor,
+        seq_len=data["seq_len"],
+        batch_size=data["batch_size"],
+        rank=rank,
+        world_size=world_size,
+        num_workers=data["num_workers"],
+        seed=config["train"]["seed"],
+        image_token_id=processor.image_token_id,
+        shuffle=shuffle,
+        split_documents=data["split_documents"],
+        loss_on=data["loss_on"],
+    )
 
 
 def _seed_everything(seed: int) -> None:
@@ -106,21 +115,30 @@ def run(config: dict, run_dir: str, ds_config: dict | str | None = None, resume:
         if rank == 0:
             truncate_metrics(run_dir, step)
         log.info("resumed from %s/%s at step %d", found.root, found.tag, step)
-    settings = TrainSettings(steps=train["max_steps"], lr=train["lr"], warmup=train["warmup"],
-                             min_lr_ratio=train["min_lr_ratio"])  # fmt: skip
+    settings = TrainSettings(
+        steps=train["max_steps"], lr=train["lr"], warmup=train["warmup"], min_lr_ratio=train["min_lr_ratio"]
+    )
     target_r = model.config.text_config.effective_r
     writer = MetricsWriter(
-        run_dir, enabled=rank == 0, total_steps=train["max_steps"], start_step=step, log_every=train["log_every"],
+        run_dir,
+        enabled=rank == 0,
+        total_steps=train["max_steps"],
+        start_step=step,
+        log_every=train["log_every"],
         monitor=engine.monitor if engine.monitor.enabled else None,
-    )  # fmt: skip
+    )
     own_schedule = "scheduler" not in ds
     eval_on = bool(config["data"]["eval_shards"] and train["eval_every"])
 
     def save() -> None:
         checkpoint.save(
-            engine, run_dir, step, {"step": step, "nonfinite_total": guard.total},
-            {"loader": loader.state_dict(), "rng": checkpoint.rng_state()}, train["keep_last"],
-        )  # fmt: skip
+            engine,
+            run_dir,
+            step,
+            {"step": step, "nonfinite_total": guard.total},
+            {"loader": loader.state_dict(), "rng": checkpoint.rng_state()},
+            train["keep_last"],
+        )
 
     batches, record = iter(loader), {}
     engine.train()

@@ -64,8 +64,13 @@ def step_record(
 ) -> dict:
     """One optimiser step's ``metrics.jsonl`` record: loss terms, R total / text / image, token and concept counts
     (in total and by modality, keys ``"0"`` / ``"1"``), tokens/s; only ``skipped`` and the counters when skipped."""
-    record = {"step": step, "lr": lr, "target_r": target_r, "skipped": stats is None,
-              "nonfinite_total": nonfinite_total}  # fmt: skip
+    record = {
+        "step": step,
+        "lr": lr,
+        "target_r": target_r,
+        "skipped": stats is None,
+        "nonfinite_total": nonfinite_total,
+    }
     if stats is not None:
         record |= stats.losses | stats.ratios()
         record["tokens"], record["concepts"] = stats.tokens, stats.concepts
@@ -103,8 +108,11 @@ class MetricsWriter:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         prefix = "eval/" if record.get("split") == "eval" else "train/"
-        scalars = {prefix + key: value for key, value in record.items()
-                   if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step"}  # fmt: skip
+        scalars = {
+            prefix + key: value
+            for key, value in record.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step"
+        }
         if self.tb is not None:
             for name, value in scalars.items():
                 self.tb.add_scalar(name, value, record["step"])
@@ -112,9 +120,15 @@ class MetricsWriter:
             self.monitor.write_events([(name, value, record["step"]) for name, value in scalars.items()])
 
     def step_record(
-        self, step: int, lr: float, target_r: float, stats: StepStats | None, elapsed: float, guard,
+        self,
+        step: int,
+        lr: float,
+        target_r: float,
+        stats: StepStats | None,
+        elapsed: float,
+        guard,
         eval_record: dict | None = None,
-    ) -> dict:  # fmt: skip
+    ) -> dict:
         """Builds, writes and prints one optimiser step's record (collective-free; stats are already reduced), and
         ``eval_record`` (``step.evaluate``'s, when this step ran the held-out eval) after it, as ``split: eval``;
         a step with an eval always prints its line, the eval's loss and R on it."""

@@ -180,8 +180,9 @@ class SeeingProbe:
             rows, skipped_in_a_row = [], 0
             while len(rows) < cfg.rows:  # without split_documents a document closes at most one row
                 try:
-                    doc = encode_sample_tokens(next(streams[stage]), self.encoder, image_processor,
-                                               self.processor.image_token_id)  # fmt: skip
+                    doc = encode_sample_tokens(
+                        next(streams[stage]), self.encoder, image_processor, self.processor.image_token_id
+                    )
                     rows += packer.add(doc)
                     skipped_in_a_row = 0
                 except SkipSample as skip:  # counted, as the training loader counts its skips

@@ -192,5 +192,11 @@ def evaluate(engine, batches: Iterable[dict], n_batches: int = 8) -> dict:
     loss_sum, n_tokens, *counts = all_reduce([loss_sum, n_tokens, *counts])
     loss = loss_sum / max(n_tokens, 1.0)
     r = [counts[2 * i] / max(counts[2 * i + 1], 1.0) if counts[2 * i] else None for i in range(3)]
-    return {"eval_loss": loss, "eval_bits_per_token": loss / math.log(2), "eval_tokens": int(n_tokens),
-            "eval_r": r[0], "eval_r_text": r[1], "eval_r_image": r[2]}  # fmt: skip
+    return {
+        "eval_loss": loss,
+        "eval_bits_per_token": loss / math.log(2),
+        "eval_tokens": int(n_tokens),
+        "eval_r": r[0],
+        "eval_r_text": r[1],
+        "eval_r_image": r[2],
+    }

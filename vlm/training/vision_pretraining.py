@@ -33,8 +33,14 @@ from vision_tower.pretrain import ContrastiveOutput, ContrastivePretrainer
 from vlm.config import VISION_PRESETS, ConceptMoEVLMConfig
 
 TOWER_FIELDS = (
-    "vision_model", "vision_embed_dim", "vision_depth", "vision_heads", "patch_size", "vision_pos_embed", "vision_stem",
-)  # fmt: skip
+    "vision_model",
+    "vision_embed_dim",
+    "vision_depth",
+    "vision_heads",
+    "patch_size",
+    "vision_pos_embed",
+    "vision_stem",
+)
 Pair = tuple[bytes, list[int]]  # (image file bytes, caption token ids)
 
 
@@ -171,8 +177,14 @@ def pretrain_vision(cfg: VisionPretrainConfig, log: Callable[[str], None] = prin
     partial = out_path.with_name(out_path.name + ".partial")  # a crash mid-write never leaves a cut file at out
     save_file({k: v.detach().contiguous() for k, v in tower.model.state_dict().items()}, str(partial))
     partial.replace(out_path)
-    record = {"tower": fields, "config": asdict(cfg), "pairs": {"train": len(train), "held_out": len(held_out)},
-              "skipped": dict(skipped), "eval": history, "seconds": round(time.time() - t0, 1)}  # fmt: skip
+    record = {
+        "tower": fields,
+        "config": asdict(cfg),
+        "pairs": {"train": len(train), "held_out": len(held_out)},
+        "skipped": dict(skipped),
+        "eval": history,
+        "seconds": round(time.time() - t0, 1),
+    }
     out_path.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
     log(f"pretrain_vision: wrote {out_path} and {out_path.with_suffix('.json').name}")
     return record

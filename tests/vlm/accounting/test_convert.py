@@ -96,8 +96,12 @@ def test_chunked_conversion_adds_only_the_paper_modules_and_round_trips(tmp_path
     conv = convert(source, target_r=1.5, encoder_layers=1, decoder_layers=2, top_k=4, loop=2, loop_layers=1)
     model, cfg = conv.model, conv.model.config
     assert (cfg.chunking, cfg.concept_merge, cfg.boundary_router_init, cfg.joint_layers, cfg.joint_zero_init) == (
-        "dynamic", "last", "random", 2, True
-    )  # fmt: skip
+        "dynamic",
+        "last",
+        "random",
+        2,
+        True,
+    )
     assert cfg.concept_top_k == 4 and cfg.concept_schedule() == [0, 0, 1]
     assert conv.report["new_weights"] == sorted(
         ["model.chunker.q_proj.weight", "model.chunker.k_proj.weight", "model.concept_norm.weight"]
@@ -226,20 +230,28 @@ def _truncate(folder: Path) -> None:
 
 
 BROKEN = {  # fault -> (how the folder is broken, a regex the one-line error must match)
-    "no_embeddings": (lambda d: edit_tensors(d, lambda t: t.pop("model.embed_tokens.weight")),
-                      re.escape("1 missing (model.embed_tokens.weight)")),
-    "missing_expert": (lambda d: edit_tensors(d, lambda t: t.pop("model.layers.2.mlp.experts.3.up_proj.weight")),
-                       re.escape("1 missing (model.layers.2.mlp.experts.3.up_proj.weight)")),
+    "no_embeddings": (
+        lambda d: edit_tensors(d, lambda t: t.pop("model.embed_tokens.weight")),
+        re.escape("1 missing (model.embed_tokens.weight)"),
+    ),
+    "missing_expert": (
+        lambda d: edit_tensors(d, lambda t: t.pop("model.layers.2.mlp.experts.3.up_proj.weight")),
+        re.escape("1 missing (model.layers.2.mlp.experts.3.up_proj.weight)"),
+    ),
     "missing_layer": (lambda d: edit_tensors(d, lambda t: _drop_layer(t, 4)), r"missing \(.*, \.\.\. and \d+ more\)"),
-    "wrong_shape": (lambda d: edit_tensors(d, lambda t: t.update({"model.norm.weight": torch.ones(63)})),
-                    r"1 with a wrong shape \(model\.norm\.weight \[63\] != \[64\]\)"),
-    "extra_tensor": (lambda d: edit_tensors(d, lambda t: t.update({"model.mtp.proj.weight": torch.ones(4, 4)})),
-                     r"1 not in the architecture \(model\.mtp\.proj\.weight; --allow-extra"),
+    "wrong_shape": (
+        lambda d: edit_tensors(d, lambda t: t.update({"model.norm.weight": torch.ones(63)})),
+        r"1 with a wrong shape \(model\.norm\.weight \[63\] != \[64\]\)",
+    ),
+    "extra_tensor": (
+        lambda d: edit_tensors(d, lambda t: t.update({"model.mtp.proj.weight": torch.ones(4, 4)})),
+        r"1 not in the architecture \(model\.mtp\.proj\.weight; --allow-extra",
+    ),
     "truncated_file": (_truncate, re.escape("model.safetensors: not a readable safetensors file")),
     "unreadable_config": (lambda d: (d / "config.json").write_text("{not json"), "cannot read config.json"),
     "no_config": (lambda d: (d / "config.json").unlink(), "cannot read config.json"),
     "no_weights": (lambda d: (d / "model.safetensors").unlink(), "no \\*.safetensors weights"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("fault", list(BROKEN))
@@ -248,8 +260,9 @@ def test_cli_refuses_an_incomplete_or_broken_checkpoint_with_one_line(tmp_path, 
     breaks, message = BROKEN[fault]
     breaks(folder)
     capsys.readouterr()
-    code = run_script("--src", str(folder), "--out", str(tmp_path / "out"), "--encoder-layers", "1",
-                      "--decoder-layers", "1")  # fmt: skip
+    code = run_script(
+        "--src", str(folder), "--out", str(tmp_path / "out"), "--encoder-layers", "1", "--decoder-layers", "1"
+    )
     err = capsys.readouterr().err
     assert code == 2, err
     assert len(err.strip().splitlines()) == 1 and err.startswith("convert_to_conceptmoe: error: "), err
@@ -264,8 +277,19 @@ def test_allow_extra_converts_and_names_the_ignored_tensors(tmp_path, caplog):
     extra = {f"model.mtp.layers.{i}.weight": torch.ones(4, 4) for i in range(7)}
     edit_tensors(folder, lambda t: t.update(extra))
     with caplog.at_level(logging.WARNING, logger="vlm.accounting.convert"):
-        code = run_script("--src", str(folder), "--out", str(tmp_path / "out"), "--chunking", "none",
-                          "--encoder-layers", "1", "--decoder-layers", "1", "--allow-extra")  # fmt: skip
+        code = run_script(
+            "--src",
+            str(folder),
+            "--out",
+            str(tmp_path / "out"),
+            "--chunking",
+            "none",
+            "--encoder-layers",
+            "1",
+            "--decoder-layers",
+            "1",
+            "--allow-extra",
+        )
     assert code == 0
     warning = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warning) == 1 and "ignoring 7 tensors not in the architecture: model.mtp.layers.0.weight" in warning[0]
@@ -315,8 +339,10 @@ def test_continual_training_starts_near_the_source_loss_and_reaches_target_r():
     start = evaluate(model, (b for _, b in held_out), n_batches=4)
     history = train(model, batches("train", 1), TrainSettings(steps=CT_STEPS, lr=1e-3, warmup=5))
     end = evaluate(model, (b for _, b in held_out), n_batches=4)
-    print(f"source {source_loss:.3f}  CT start {start['eval_loss']:.3f} (R {start['eval_r']:.2f})  "
-          f"CT end {end['eval_loss']:.3f} (R {end['eval_r']:.2f})")  # fmt: skip
+    print(
+        f"source {source_loss:.3f}  CT start {start['eval_loss']:.3f} (R {start['eval_r']:.2f})  "
+        f"CT end {end['eval_loss']:.3f} (R {end['eval_r']:.2f})"
+    )
     assert start["eval_loss"] < source_loss + 0.4  # chunking and re-routing cost little at the start
     assert end["eval_loss"] < source_loss + 0.2
     assert abs(end["eval_r"] - 1.5) <= 0.25, end  # eval R (p >= 0.5) at the target

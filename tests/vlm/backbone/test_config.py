@@ -107,8 +107,12 @@ def test_moe_top_k_never_becomes_the_sampling_top_k(tmp_path):
     assert ConceptMoEConfig.from_pretrained(tmp_path).top_k == 2
 
 
-CONCEPT_DEFAULTS = {"concept_top_k": "num_experts_per_tok", "concept_num_experts": "num_experts",
-                    "concept_d_model": "d_model", "concept_expert_dim": "expert_dim"}  # fmt: skip
+CONCEPT_DEFAULTS = {
+    "concept_top_k": "num_experts_per_tok",
+    "concept_num_experts": "num_experts",
+    "concept_d_model": "d_model",
+    "concept_expert_dim": "expert_dim",
+}
 
 
 def _to_old_field_names(config_json, renames: dict) -> None:

@@ -45,8 +45,12 @@ def packed_and_alone(model, docs, pad_left=0, pad_right=0):
     ids = torch.cat(
         [torch.zeros(1, pad_left, dtype=torch.long)] + docs + [torch.zeros(1, pad_right, dtype=torch.long)], 1
     )
-    doc_ids = torch.cat([torch.full((1, pad_left), 0)] + [torch.full_like(d, i) for i, d in enumerate(docs)]
-                        + [torch.full((1, pad_right), 0)], 1)  # fmt: skip
+    doc_ids = torch.cat(
+        [torch.full((1, pad_left), 0)]
+        + [torch.full_like(d, i) for i, d in enumerate(docs)]
+        + [torch.full((1, pad_right), 0)],
+        1,
+    )
     valid = torch.ones_like(ids)
     valid[:, :pad_left] = 0
     valid[:, ids.shape[1] - pad_right :] = 0

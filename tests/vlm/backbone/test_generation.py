@@ -25,9 +25,19 @@ VARIANTS = {
 
 def make_lm(seed=0, **overrides):
     torch.manual_seed(seed)
-    fields = dict(vocab_size=96, d_model=64, n_heads=4, n_kv_heads=2, encoder_layers=1, concept_layers=2,
-                  decoder_layers=2, joint_layers=1, boundary_router_init="random", qk_norm="head",
-                  pad_token_id=0)  # fmt: skip
+    fields = dict(
+        vocab_size=96,
+        d_model=64,
+        n_heads=4,
+        n_kv_heads=2,
+        encoder_layers=1,
+        concept_layers=2,
+        decoder_layers=2,
+        joint_layers=1,
+        boundary_router_init="random",
+        qk_norm="head",
+        pad_token_id=0,
+    )
     fields.update(overrides)
     return ConceptMoEForCausalLM(ConceptMoEConfig(**fields)).eval()
 
@@ -154,9 +164,14 @@ def images(n, seed=0):
 def test_vlm_stepwise_decoding_with_images_equals_the_full_forward(processor, modality_boundaries, image_chunking):
     """Every image scan (vlm/image_scan.py) too: 128 x 96 images give 3 x 4 token grids, where they all differ."""
     torch.manual_seed(0)
-    model = ConceptMoEVLM.from_preset("tiny", image_token_id=processor.image_token_id, max_patches=64,
-                                      boundary_router_init="random", modality_boundaries=modality_boundaries,
-                                      image_chunking=image_chunking).eval()  # fmt: skip
+    model = ConceptMoEVLM.from_preset(
+        "tiny",
+        image_token_id=processor.image_token_id,
+        max_patches=64,
+        boundary_router_init="random",
+        modality_boundaries=modality_boundaries,
+        image_chunking=image_chunking,
+    ).eval()
     imgs = [img.resize((128, 96)) for img in images(3)]
     prompts = ["<image> what colour is the shape?", "a short one", "two pictures <image> and <image>"]
     batch = processor(text=prompts, images=[imgs[:1], [], imgs[1:]], padding_side="left")
@@ -190,17 +205,25 @@ def test_vlm_stepwise_decoding_with_images_equals_the_full_forward(processor, mo
 @torch.no_grad()
 def test_vlm_prompt_ending_on_an_image_closes_the_image_span(processor):
     torch.manual_seed(1)
-    model = ConceptMoEVLM.from_preset("tiny", image_token_id=processor.image_token_id, max_patches=64,
-                                      boundary_router_init="random", modality_boundaries=True).eval()  # fmt: skip
+    model = ConceptMoEVLM.from_preset(
+        "tiny",
+        image_token_id=processor.image_token_id,
+        max_patches=64,
+        boundary_router_init="random",
+        modality_boundaries=True,
+    ).eval()
     batch = processor(text=["look: <image>"], images=[images(1, seed=2)], padding_side="left")
     out = model(**batch, use_cache=True)
     assert out.chunk_stats["concepts_by_modality"][1] >= 1
     nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-    step = model(input_ids=nxt, attention_mask=torch.cat([batch["attention_mask"], torch.ones_like(nxt)], 1),
-                 cache=out.cache)  # fmt: skip
-    full = model(input_ids=torch.cat([batch["input_ids"], nxt], 1),
-                 modality_ids=torch.cat([batch["modality_ids"], torch.zeros_like(nxt)], 1),
-                 **{k: batch[k] for k in ("patches", "patch_coord", "patch_valid", "grid_hw")})  # fmt: skip
+    step = model(
+        input_ids=nxt, attention_mask=torch.cat([batch["attention_mask"], torch.ones_like(nxt)], 1), cache=out.cache
+    )
+    full = model(
+        input_ids=torch.cat([batch["input_ids"], nxt], 1),
+        modality_ids=torch.cat([batch["modality_ids"], torch.zeros_like(nxt)], 1),
+        **{k: batch[k] for k in ("patches", "patch_coord", "patch_valid", "grid_hw")},
+    )
     assert torch.allclose(step.logits[:, -1], full.logits[:, -1], atol=1e-4)
 
 
@@ -266,8 +289,9 @@ def test_vlm_generate_refuses_empty_and_too_long_prompts(processor):
     batch = processor(text=["<image> what colour is the shape?"], images=[images(1)], padding_side="left")
     width = batch["input_ids"].shape[1]  # image slots included: they take positions like text tokens
     torch.manual_seed(0)
-    model = ConceptMoEVLM.from_preset("tiny", image_token_id=processor.image_token_id, max_patches=64,
-                                      max_position_embeddings=width + 2).eval()  # fmt: skip
+    model = ConceptMoEVLM.from_preset(
+        "tiny", image_token_id=processor.image_token_id, max_patches=64, max_position_embeddings=width + 2
+    ).eval()
     assert model.config.text_config.max_position_embeddings == width + 2
     with pytest.raises(ValueError, match="prompt is empty") as err:
         model.generate(input_ids=torch.zeros(1, 0, dtype=torch.long), max_new_tokens=2)

@@ -228,8 +228,10 @@ def test_left_and_right_padding_give_the_same_loss():
     pad = torch.zeros(1, 6, dtype=torch.long)
     real = torch.ones(1, 9, dtype=torch.long)
     losses = []
-    for row, row_mask in ((torch.cat([short, pad], 1), torch.cat([real, pad], 1)),
-                          (torch.cat([pad, short], 1), torch.cat([pad, real], 1))):  # fmt: skip
+    for row, row_mask in (
+        (torch.cat([short, pad], 1), torch.cat([real, pad], 1)),
+        (torch.cat([pad, short], 1), torch.cat([pad, real], 1)),
+    ):
         ids, mask = torch.cat([row, long]), torch.cat([row_mask, torch.ones(1, 15, dtype=torch.long)])
         with torch.no_grad():
             losses.append(model(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).aux["lm_loss"])

@@ -34,17 +34,24 @@ def test_auto_and_absent_settings_are_filled_from_the_yaml():
     assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (3, 2)
     assert ds["train_batch_size"] == 12 and ds["gradient_clipping"] == 0.5
     bare = deepspeed_config(config, {"zero_optimization": {"stage": 1}}, world_size=1)
-    assert bare["optimizer"] == {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.01,
-                                                             "betas": [0.9, 0.95], "torch_adam": True}}  # fmt: skip
+    assert bare["optimizer"] == {
+        "type": "AdamW",
+        "params": {"lr": 0.02, "weight_decay": 0.01, "betas": [0.9, 0.95], "torch_adam": True},
+    }
     assert deepspeed_config(config, bare, world_size=1) == bare  # reconciling twice changes nothing
 
 
 @pytest.mark.parametrize(
     "path, value, yaml_key",
-    [("optimizer.params.lr", 0.1, "train.lr"), ("gradient_clipping", 5.0, "train.grad_clip"),
-     ("train_micro_batch_size_per_gpu", 16, "data.batch_size"), ("gradient_accumulation_steps", 4, "train.grad_accum"),
-     ("optimizer.params.weight_decay", 0.1, "train.weight_decay"), ("train_batch_size", 64, "data.batch_size x")],
-)  # fmt: skip
+    [
+        ("optimizer.params.lr", 0.1, "train.lr"),
+        ("gradient_clipping", 5.0, "train.grad_clip"),
+        ("train_micro_batch_size_per_gpu", 16, "data.batch_size"),
+        ("gradient_accumulation_steps", 4, "train.grad_accum"),
+        ("optimizer.params.weight_decay", 0.1, "train.weight_decay"),
+        ("train_batch_size", 64, "data.batch_size x"),
+    ],
+)
 def test_a_conflicting_json_value_is_one_line_naming_both_places(path, value, yaml_key):
     ds = copy.deepcopy(ZERO2)
     node = ds
@@ -85,8 +92,7 @@ def test_unreadable_json_both_precisions_and_a_missing_monitor_package(tmp_path)
 def test_the_cli_refuses_a_conflicting_json_before_building_anything(shards, tmp_path):
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({**ZERO2, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}))
-    proc = run_train(tmp_path / "run", shards, expect_rc=2, flags=["--deepspeed", str(ds)], max_steps=2,
-                     save_every=2)  # fmt: skip
+    proc = run_train(tmp_path / "run", shards, expect_rc=2, flags=["--deepspeed", str(ds)], max_steps=2, save_every=2)
     assert proc.stderr.strip().splitlines()[-1].startswith("error: ") and "optimizer.params.lr=0.1" in proc.stderr
     assert not (tmp_path / "run").exists()
 
@@ -96,15 +102,30 @@ def test_the_cli_refuses_a_conflicting_json_before_building_anything(shards, tmp
 
 def test_the_json_scheduler_and_monitor_are_honoured_and_the_effective_config_saved(shards, tmp_path):
     csv_dir = tmp_path / "csv"
-    ds = {**ZERO2, "scheduler": {"type": "WarmupLR", "params": {"warmup_type": "linear", "warmup_min_lr": 0.0}},
-          "csv_monitor": {"enabled": True, "output_path": str(csv_dir), "job_name": "job"}}  # fmt: skip
+    ds = {
+        **ZERO2,
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_type": "linear", "warmup_min_lr": 0.0}},
+        "csv_monitor": {"enabled": True, "output_path": str(csv_dir), "job_name": "job"},
+    }
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     run = tmp_path / "run"
-    run_train(run, shards, flags=["--deepspeed", str(tmp_path / "ds.json")], max_steps=4, save_every=4, warmup=3,
-              lr=0.004, router_lr_scale=1e-9)  # fmt: skip
+    run_train(
+        run,
+        shards,
+        flags=["--deepspeed", str(tmp_path / "ds.json")],
+        max_steps=4,
+        save_every=4,
+        warmup=3,
+        lr=0.004,
+        router_lr_scale=1e-9,
+    )
     saved = json.loads((run / "ds_config.json").read_text())
-    assert saved["scheduler"]["params"] == {"warmup_type": "linear", "warmup_min_lr": 0.0, "warmup_max_lr": 0.004,
-                                            "warmup_num_steps": 3}  # fmt: skip
+    assert saved["scheduler"]["params"] == {
+        "warmup_type": "linear",
+        "warmup_min_lr": 0.0,
+        "warmup_max_lr": 0.004,
+        "warmup_num_steps": 3,
+    }
     assert saved["optimizer"]["params"]["lr"] == 0.004 and saved["train_batch_size"] == 2
     param = torch.nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.SGD([param], lr=0.004)
@@ -121,8 +142,11 @@ def test_the_json_scheduler_and_monitor_are_honoured_and_the_effective_config_sa
     weights = load_file(run / "hf" / "model.safetensors")
     router = {k: v for k, v in weights.items() if ".chunker." in k}
     assert router and all(torch.allclose(v, torch.eye(v.shape[0]), atol=1e-6) for v in router.values())
-    assert any(not torch.allclose(v, torch.eye(v.shape[0]), atol=1e-3) for k, v in weights.items()
-               if v.ndim == 2 and v.shape[0] == v.shape[1] and ".chunker." not in k)  # fmt: skip
+    assert any(
+        not torch.allclose(v, torch.eye(v.shape[0]), atol=1e-3)
+        for k, v in weights.items()
+        if v.ndim == 2 and v.shape[0] == v.shape[1] and ".chunker." not in k
+    )
 
 
 # -- device and precision -----------------------------------------------------------------------------------------

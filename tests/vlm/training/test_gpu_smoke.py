@@ -21,10 +21,24 @@ def test_without_a_gpu_it_says_so_in_one_line():
 
 
 def test_every_check_passes_on_cpu_at_toy_size(tmp_path):
-    proc = smoke("--allow-cpu", "--out", str(tmp_path), "--preset", "tiny", "--steps", "4", "--seq-len", "256",
-                 "--samples", "16", "--bench-preset", "tiny-moe")  # fmt: skip
+    proc = smoke(
+        "--allow-cpu",
+        "--out",
+        str(tmp_path),
+        "--preset",
+        "tiny",
+        "--steps",
+        "4",
+        "--seq-len",
+        "256",
+        "--samples",
+        "16",
+        "--bench-preset",
+        "tiny-moe",
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert [line.split()[:2] for line in lines] == [["PASS", name] for name in
-                                                    ("shards", "train", "export", "generate", "bench")]  # fmt: skip
+    assert [line.split()[:2] for line in lines] == [
+        ["PASS", name] for name in ("shards", "train", "export", "generate", "bench")
+    ]
     assert "resumed at 2" in lines[1] and "bf16" in lines[1]

@@ -111,4 +111,6 @@ def test_two_nodes_kill_9_then_resume_auto_gives_identical_losses(shards, tmp_pa
     assert sorted(got) == sorted(want) == list(range(1, 7))
     assert [got[s]["loss"] for s in sorted(got)] == [want[s]["loss"] for s in sorted(want)]
     assert sorted(p.name for p in (run / "checkpoints" / "step_00000006").glob("rank_state_*")) == [
-        "rank_state_00000.json", "rank_state_00001.json"]  # fmt: skip
+        "rank_state_00000.json",
+        "rank_state_00001.json",
+    ]

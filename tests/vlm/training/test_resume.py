@@ -85,7 +85,7 @@ def test_verify_checks_the_world_size(tmp_path):
         (b"\xff\xfe\x00", "not text"),
         (None, "missing"),
         ("other_run", "not a checkpoint tag"),
-    ],  # fmt: skip
+    ],
 )
 def test_pointer_must_name_a_checkpoint_of_this_run(tmp_path, content, why):
     root = tmp_path / "run" / "checkpoints"
@@ -117,7 +117,11 @@ def test_resume_auto_walks_back_to_the_newest_verified_and_sets_the_others_aside
     assert "step_00000004 skipped: mp_rank_00_model_states.pt has 10 bytes" in log
     set_aside_newer(found, str(run))
     assert sorted(p.name for p in root.iterdir()) == [
-        "latest_complete", "rejected-step_00000004", "rejected-step_00000006", "step_00000002"]  # fmt: skip
+        "latest_complete",
+        "rejected-step_00000004",
+        "rejected-step_00000006",
+        "step_00000002",
+    ]
     assert read_pointer(str(root)) == ("step_00000002", None)
 
 
@@ -273,7 +277,11 @@ def test_a_planted_pickle_never_runs_on_resume_or_export(base_run, shards, tmp_p
     assert "refusing to load" in line and name in line and not os.path.exists(MARKER)
     proc = subprocess.run(
         [sys.executable, "-m", "vlm.training.export", str(run), "--out", str(tmp_path / "hf")],
-        capture_output=True, text=True, env=env(), cwd=ROOT, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env(),
+        cwd=ROOT,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "refusing to load" in one_line_error(proc) and not os.path.exists(MARKER)
     assert export_main([str(run), "--tag", "step_00000002", "--out", str(tmp_path / "hf")]) == 0  # the clean one

@@ -58,10 +58,16 @@ def test_unknown_preset_lists_the_presets():
 
 @pytest.mark.parametrize(
     "overrides, field",
-    [("{target_r: 0.5}", "target_r"), ("{chunking: sometimes}", "chunking"), ("{top_k: 99}", "top_k"),
-     ("{pixel_shuffle: 3}", "pixel_shuffle"), ("{target_r: many}", "model.overrides"),
-     ("{vision_stem: cnn}", "vision_stem"), ("{vision_stem: conv, patch_size: 14}", "vision_stem")],
-)  # fmt: skip
+    [
+        ("{target_r: 0.5}", "target_r"),
+        ("{chunking: sometimes}", "chunking"),
+        ("{top_k: 99}", "top_k"),
+        ("{pixel_shuffle: 3}", "pixel_shuffle"),
+        ("{target_r: many}", "model.overrides"),
+        ("{vision_stem: cnn}", "vision_stem"),
+        ("{vision_stem: conv, patch_size: 14}", "vision_stem"),
+    ],
+)
 def test_model_rule_violations_fail_at_load(overrides, field):
     assert field in config_error(f"model.overrides={overrides}")
 
@@ -69,17 +75,28 @@ def test_model_rule_violations_fail_at_load(overrides, field):
 # ----------------------------------------------------------------------------- numbers: finite and in range
 @pytest.mark.parametrize(
     "setting, fragment",
-    [("train.lr=.inf", "'train.lr' must be a finite number"), ("train.lr=.nan", "'train.lr' must be a finite"),
-     ("train.lr=inf", "'train.lr' must be a finite"), ("train.grad_clip=-.inf", "'train.grad_clip' must be a fin"),
-     ("train.lr=0", "'train.lr' must be > 0"), ("train.lr=-1e-3", "'train.lr' must be > 0"),
-     ("train.weight_decay=-0.1", "'train.weight_decay' must be >= 0"), ("train.warmup=-1", "'train.warmup' must"),
-     ("train.grad_clip=0", "'train.grad_clip' must be > 0"), ("train.eval_every=-1", "'train.eval_every' must be"),
-     ("train.min_lr_ratio=1.5", "'train.min_lr_ratio' must be in [0, 1]"), ("train.min_lr_ratio=-0.1", "min_lr"),
-     ("data.num_workers=-1", "'data.num_workers' must be >= 0"), ("train.seed=-1", "'train.seed' must be >= 0"),
-     ("data.batch_size=0", "'data.batch_size' must be >= 1"), ("train.max_steps=0", "'train.max_steps' must be"),
-     ("data.seq_len=1", "'data.seq_len' must be >= 2"), ("data.shards=[]", "'data.shards' must"),
-     ("data.shards=[1]", "'data.shards' must")],
-)  # fmt: skip
+    [
+        ("train.lr=.inf", "'train.lr' must be a finite number"),
+        ("train.lr=.nan", "'train.lr' must be a finite"),
+        ("train.lr=inf", "'train.lr' must be a finite"),
+        ("train.grad_clip=-.inf", "'train.grad_clip' must be a fin"),
+        ("train.lr=0", "'train.lr' must be > 0"),
+        ("train.lr=-1e-3", "'train.lr' must be > 0"),
+        ("train.weight_decay=-0.1", "'train.weight_decay' must be >= 0"),
+        ("train.warmup=-1", "'train.warmup' must"),
+        ("train.grad_clip=0", "'train.grad_clip' must be > 0"),
+        ("train.eval_every=-1", "'train.eval_every' must be"),
+        ("train.min_lr_ratio=1.5", "'train.min_lr_ratio' must be in [0, 1]"),
+        ("train.min_lr_ratio=-0.1", "min_lr"),
+        ("data.num_workers=-1", "'data.num_workers' must be >= 0"),
+        ("train.seed=-1", "'train.seed' must be >= 0"),
+        ("data.batch_size=0", "'data.batch_size' must be >= 1"),
+        ("train.max_steps=0", "'train.max_steps' must be"),
+        ("data.seq_len=1", "'data.seq_len' must be >= 2"),
+        ("data.shards=[]", "'data.shards' must"),
+        ("data.shards=[1]", "'data.shards' must"),
+    ],
+)
 def test_numeric_fields_must_be_finite_and_in_range(setting, fragment):
     assert fragment in config_error(setting)
 

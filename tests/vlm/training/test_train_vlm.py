@@ -20,9 +20,22 @@ from vlm.training.step import NonFiniteGuard, NonFiniteLossError, train_step
 
 
 def test_wrong_config_field_fails_at_start_with_one_line_error(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_vlm.py"), "--config", str(TINY),
-                           "--out", str(tmp_path / "run"), "--set", "train.learning_rate=1e-3"],
-                          capture_output=True, text=True, env=env(), timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "train_vlm.py"),
+            "--config",
+            str(TINY),
+            "--out",
+            str(tmp_path / "run"),
+            "--set",
+            "train.learning_rate=1e-3",
+        ],
+        capture_output=True,
+        text=True,
+        env=env(),
+        timeout=60,
+    )
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1 and "train.learning_rate" in proc.stderr
     with pytest.raises(ConfigError, match=r"'train.max_steps' must be int, got str"):
@@ -59,13 +72,25 @@ def test_nonfinite_loss_skips_step_counts_and_stops(shards):
 
 def test_two_process_deepspeed_zero2_trains_checkpoints_and_logs(shards, tmp_path):
     run = tmp_path / "run"
-    run_train(run, shards, launcher="deepspeed", zero=2, max_steps=3, save_every=2, eval_every=2, grad_accum=2,
-              export="false")  # fmt: skip
+    run_train(
+        run, shards, launcher="deepspeed", zero=2, max_steps=3, save_every=2, eval_every=2, grad_accum=2, export="false"
+    )
     records = step_records(run)
     assert sorted(records) == [1, 2, 3]
     for rec in records.values():
-        for key in ("step", "loss", "lm_loss", "ratio_loss", "balance_loss", "r", "r_text", "r_image",
-                    "tokens_per_s", "lr", "target_r"):  # fmt: skip
+        for key in (
+            "step",
+            "loss",
+            "lm_loss",
+            "ratio_loss",
+            "balance_loss",
+            "r",
+            "r_text",
+            "r_image",
+            "tokens_per_s",
+            "lr",
+            "target_r",
+        ):
             assert key in rec, key
         by_m = rec["tokens_by_modality"]
         assert by_m["0"] + by_m["1"] == rec["tokens"]
@@ -76,7 +101,9 @@ def test_two_process_deepspeed_zero2_trains_checkpoints_and_logs(shards, tmp_pat
     ckpt = run / "checkpoints"
     assert (ckpt / "latest_complete").read_text() == "step_00000003"
     assert sorted(p.name for p in (ckpt / "step_00000003").glob("rank_state_*")) == [
-        "rank_state_00000.json", "rank_state_00001.json"]  # fmt: skip
+        "rank_state_00000.json",
+        "rank_state_00001.json",
+    ]
     assert verify(str(ckpt / "step_00000003"), world_size=2) is None  # the manifest lists both ranks' files
     assert (run / "config.yaml").is_file()
 
@@ -121,8 +148,14 @@ def test_kill_9_then_resume_auto_gives_identical_losses(shards, tmp_path, launch
     reference = tmp_path / "reference"
     run_train(reference, shards, **args)
     run = tmp_path / "killed"
-    proc = subprocess.Popen(train_cmd(run, shards, **args), env=env(), cwd=ROOT, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        train_cmd(run, shards, **args),
+        env=env(),
+        cwd=ROOT,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     metrics, deadline = run / "metrics.jsonl", time.time() + 180
     while time.time() < deadline and proc.poll() is None:
         if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
@@ -145,8 +178,9 @@ def test_init_from_a_text_checkpoint_or_a_vlm_checkpoint(shards, tmp_path):
     from vlm import ConceptMoEConfig, ConceptMoEForCausalLM
 
     torch.manual_seed(3)
-    text = ConceptMoEForCausalLM(ConceptMoEConfig.from_preset("tiny", vocab_size=len(load_tokenizer()),
-                                                              boundary_router_init="random"))  # fmt: skip
+    text = ConceptMoEForCausalLM(
+        ConceptMoEConfig.from_preset("tiny", vocab_size=len(load_tokenizer()), boundary_router_init="random")
+    )
     text.save_pretrained(tmp_path / "text")
     base = [f"data.shards=[{shards / 'train'}]", f"model.init_from={tmp_path / 'text'}"]
     config = load_config(str(TINY), base + ["model.overrides={target_r: 1.5}"])
@@ -163,8 +197,14 @@ def test_init_from_a_text_checkpoint_or_a_vlm_checkpoint(shards, tmp_path):
     with pytest.raises(ConfigError, match="not a saved model folder"):
         build_model(load_config(str(TINY), [base[0], f"model.init_from={tmp_path / 'missing'}"]))
     run = tmp_path / "run"
-    proc = subprocess.run(train_cmd(run, shards, max_steps=2, save_every=2, export="false")
-                          + ["--set", f"model.init_from={tmp_path / 'text'}"], capture_output=True, text=True,
-                          env=env(), timeout=240, cwd=ROOT)  # fmt: skip
+    proc = subprocess.run(
+        train_cmd(run, shards, max_steps=2, save_every=2, export="false")
+        + ["--set", f"model.init_from={tmp_path / 'text'}"],
+        capture_output=True,
+        text=True,
+        env=env(),
+        timeout=240,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(step_records(run)) == [1, 2]

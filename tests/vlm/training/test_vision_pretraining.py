@@ -43,15 +43,28 @@ def add_bad_shard(folder: Path) -> None:
 
 
 def test_pretraining_writes_a_tower_the_vlm_loads_and_counts_what_it_skipped(tmp_path):
-    make_synthetic(["scenes"], str(tmp_path / "shards"), num_samples=24, seed=0, eval_samples=16,
-                   generator_options={"max_objects": 1})  # fmt: skip
+    make_synthetic(
+        ["scenes"],
+        str(tmp_path / "shards"),
+        num_samples=24,
+        seed=0,
+        eval_samples=16,
+        generator_options={"max_objects": 1},
+    )
     add_bad_shard(tmp_path / "shards" / "train")
     out = tmp_path / "tower.safetensors"
     lines = []
     cfg = VisionPretrainConfig(
-        shards=[str(tmp_path / "shards" / "train")], eval_shards=[str(tmp_path / "shards" / "eval")], out=str(out),
-        tower=TOWER, steps=4, batch_size=8, warmup=2, eval_every=4, log_every=1,
-    )  # fmt: skip
+        shards=[str(tmp_path / "shards" / "train")],
+        eval_shards=[str(tmp_path / "shards" / "eval")],
+        out=str(out),
+        tower=TOWER,
+        steps=4,
+        batch_size=8,
+        warmup=2,
+        eval_every=4,
+        log_every=1,
+    )
     record = pretrain_vision(cfg, log=lines.append)
     assert record["pairs"] == {"train": 24, "held_out": 16}
     assert record["skipped"] == {"bad_image": 1, "missing_field": 1}

@@ -24,8 +24,18 @@ def env(port: int | None = None) -> dict:
 
 
 def make_shards(out: Path) -> Path:
-    cmd = [sys.executable, str(ROOT / "scripts" / "make_shards.py"), "--synthetic", "scenes,text", "--out", str(out),
-           "--num-samples", "48", "--seed", "0"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts" / "make_shards.py"),
+        "--synthetic",
+        "scenes,text",
+        "--out",
+        str(out),
+        "--num-samples",
+        "48",
+        "--seed",
+        "0",
+    ]
     subprocess.run(cmd, check=True, capture_output=True, env=env())
     return out
 
@@ -52,8 +62,9 @@ def train_cmd(run_dir, shards, launcher="python", zero=None, resume=None, flags=
 
 
 def run_train(*args, timeout=240, expect_rc=0, **kwargs) -> subprocess.CompletedProcess:
-    proc = subprocess.run(train_cmd(*args, **kwargs), capture_output=True, text=True, env=env(), timeout=timeout,
-                          cwd=ROOT)  # fmt: skip
+    proc = subprocess.run(
+        train_cmd(*args, **kwargs), capture_output=True, text=True, env=env(), timeout=timeout, cwd=ROOT
+    )
     assert proc.returncode == expect_rc, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -72,8 +83,19 @@ def step_records(run_dir) -> dict[int, dict]:
 def torchrun_node_cmd(run_dir, shards, node_rank: int, port: int, nnodes: int = 2, **kwargs) -> list[str]:
     """One "node" of a multi-node run simulated on this host: ``torchrun`` with one process, rendezvous at
     127.0.0.1:``port``; ``kwargs`` as ``train_cmd``'s (``zero``, ``resume``, train fields)."""
-    head = [str(VENV_BIN / "torchrun"), "--nnodes", str(nnodes), "--nproc_per_node", "1", "--node_rank",
-            str(node_rank), "--master_addr", "127.0.0.1", "--master_port", str(port)]  # fmt: skip
+    head = [
+        str(VENV_BIN / "torchrun"),
+        "--nnodes",
+        str(nnodes),
+        "--nproc_per_node",
+        "1",
+        "--node_rank",
+        str(node_rank),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(port),
+    ]
     return head + train_cmd(run_dir, shards, launcher="python", **kwargs)[1:]
 
 
