@@ -336,6 +336,20 @@ class ShardLoader:
         return total
 
 
+def _check_loader_args(cfg: dict) -> None:
+    """One-line ``ValueError`` for a ``make_dataloader`` setting out of range."""
+    lows = {"seq_len": 2, "batch_size": 1, "world_size": 1, "num_workers": 0, "max_image_pixels": 1}
+    for name, low in (lows | {"shuffle_buffer": 0, "max_member_bytes": 1}).items():
+        if not isinstance(value := cfg[name], int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if not 0 <= cfg["rank"] < cfg["world_size"]:
+        raise ValueError(f"rank must be in [0, world_size={cfg['world_size']}), got {cfg['rank']!r}")
+    if cfg["loss_on"] not in LOSS_ON:
+        raise ValueError(f"loss_on={cfg['loss_on']!r} is invalid: allowed values are {LOSS_ON}")
+    if cfg["epochs"] is not None and cfg["epochs"] < 1:
+        raise ValueError(f"epochs must be None (forever) or >= 1, got {cfg['epochs']!r}")
+
+
 def make_dataloader(
     shards,
     tokenizer,
@@ -367,33 +381,7 @@ def make_dataloader(
     ``loss_on`` (``packing.LOSS_ON``): ``auto`` labels the assistant turns of conversations and all text elsewhere.
     ``max_member_bytes``: a sample with a bigger tar member (decompressed) is skipped as ``member_too_large``.
     """
-    for name, value, low in (
-        ("seq_len", seq_len, 2),
-        ("batch_size", batch_size, 1),
-        ("world_size", world_size, 1),
-        ("num_workers", num_workers, 0),
-        ("max_image_pixels", max_image_pixels, 1),
-        ("shuffle_buffer", shuffle_buffer, 0),
-        ("max_member_bytes", max_member_bytes, 1),
-    ):
-        if not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank!r}")
-    if loss_on not in LOSS_ON:
-        raise ValueError(f"loss_on={loss_on!r} is invalid: allowed values are {LOSS_ON}")
-    if epochs is not None and epochs < 1:
-        raise ValueError(f"epochs must be None (forever) or >= 1, got {epochs!r}")
-    encoder = tokenizer if isinstance(tokenizer, TokenEncoder) else TokenEncoder(tokenizer)
-    if image_token_id is None:
-        image_token_id = _image_token_id(encoder.tokenizer)
-    if num_workers > 0:
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers fork after the tokenizer was used
-    cfg = dict(
-        shards=expand_shards(shards),
-        encoder=encoder,
-        image_processor=image_processor or ImageProcessor(),
-        image_token_id=image_token_id,
+    settings = dict(
         seq_len=seq_len,
         batch_size=batch_size,
         rank=rank,
@@ -408,7 +396,15 @@ def make_dataloader(
         loss_on=loss_on,
         max_member_bytes=max_member_bytes,
     )
-    return ShardLoader(cfg, pin_memory=pin_memory)
+    _check_loader_args(settings)
+    encoder = tokenizer if isinstance(tokenizer, TokenEncoder) else TokenEncoder(tokenizer)
+    if image_token_id is None:
+        image_token_id = _image_token_id(encoder.tokenizer)
+    if num_workers > 0:
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers fork after the tokenizer was used
+    image_processor = image_processor or ImageProcessor()
+    cfg = dict(shards=expand_shards(shards), encoder=encoder, image_processor=image_processor, **settings)
+    return ShardLoader(cfg | {"image_token_id": image_token_id}, pin_memory=pin_memory)
 
 
 def _image_token_id(tokenizer) -> int:

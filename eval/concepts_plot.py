@@ -164,6 +164,18 @@ def concept_borders(img: ImageConcepts) -> list:
     return segs + [[(c * s, (r + 1) * s), ((c + 1) * s, (r + 1) * s)] for r, c in zip(rows, cols)]
 
 
+def _concept_ids(ax, img: ImageConcepts, image_chunking: str, cell_pt: float) -> None:
+    """Each concept's id, written on its first cell in scan order."""
+    (h, w), s = img.grid, img.cell_px
+    seen = set()
+    label = {"boxstyle": "round,pad=0.1", "fc": "white", "alpha": 0.8}
+    for r, c in scan_cells(h, w, image_chunking).tolist():
+        if (m := int(img.labels_HW[r, c])) >= 0 and m not in seen:
+            seen.add(m)
+            x, y = (c + 0.5) * s, (r + 0.5) * s
+            ax.text(x, y, str(m), ha="center", va="center", fontweight="bold", fontsize=min(8, cell_pt / 2), bbox=label)
+
+
 def _draw_image(fig, box: tuple, cmap: ConceptMap, img: ImageConcepts) -> None:
     """Three panels in ``box`` (figure fractions): the image with its grid, the concept regions, p per cell."""
     left, bottom, width, height = box
@@ -190,21 +202,7 @@ def _draw_image(fig, box: tuple, cmap: ConceptMap, img: ImageConcepts) -> None:
     box_in = axes[1].get_position()  # a cell's side on the page, in points: ids only where they fit
     cell_pt = 72 * min(box_in.width * fig.get_figwidth() / w, box_in.height * fig.get_figheight() / h)
     if cell_pt >= 12:  # the id of each concept on its first cell in scan order
-        seen = set()
-        for r, c in scan_cells(h, w, cmap.image_chunking).tolist():
-            if (m := int(img.labels_HW[r, c])) >= 0 and m not in seen:
-                seen.add(m)
-                label = {"boxstyle": "round,pad=0.1", "fc": "white", "alpha": 0.8}
-                axes[1].text(
-                    (c + 0.5) * s,
-                    (r + 0.5) * s,
-                    str(m),
-                    ha="center",
-                    va="center",
-                    fontweight="bold",
-                    fontsize=min(8, cell_pt / 2),
-                    bbox=label,
-                )
+        _concept_ids(axes[1], img, cmap.image_chunking, cell_pt)
     rc = scan_cells(h, w, cmap.image_chunking).numpy()
     xs, ys = (rc[:, 1] + 0.5) * s, (rc[:, 0] + 0.5) * s
     axes[2].plot(xs, ys, color="white", lw=0.9, alpha=0.7)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from test_readme import BLOCKS, README, REPO, _expand_braces
 
-DOCS = [README, *sorted((REPO / "docs").glob("*.md"))]
+DOCS = [README, REPO / "CONTRIBUTING.md", *sorted((REPO / "docs").glob("*.md"))]
 MAKEFILE = REPO / "Makefile"
 PROJECT = ("vlm", "vision_tower", "data_pipelines", "eval")
 
@@ -172,3 +172,17 @@ def test_checkers_catch_what_they_are_for():
     assert "no-such-target" not in make_targets() and "demo" in make_targets()
     name, path, rest = program(commands(text)[2])
     assert "--nope" not in declared_options(path) and rest == ["--nope", "--out", "d"]
+
+
+def test_contributing_example_runs_as_written(tmp_path):
+    """CONTRIBUTING.md's "Adding a run setting" block, in a child Python from the repository root (it edits the
+    schema of the process it runs in): its printed values are the ones its comments promise."""
+    import subprocess
+    import sys
+
+    text = (REPO / "CONTRIBUTING.md").read_text(encoding="utf-8")
+    (code,) = re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+    promised = re.findall(r"print\(.*\)  # (.+)$", code, flags=re.M)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == promised

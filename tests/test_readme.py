@@ -241,7 +241,7 @@ def _tree_names() -> set[str]:
 
 def test_named_paths_exist():
     names = _tree_names()
-    sources = [README, *sorted((REPO / "docs").glob("*.md")), REPO / "Makefile"]
+    sources = [README, REPO / "CONTRIBUTING.md", *sorted((REPO / "docs").glob("*.md")), REPO / "Makefile"]
     missing = []
     for source in sources:
         text = source.read_text(encoding="utf-8")

@@ -43,6 +43,14 @@ def scatter_to_slots(slots_BN: torch.Tensor, values_T: torch.Tensor, fill_BN: to
     return out
 
 
+def text_labels(labels_BN: torch.Tensor, modality_BN: torch.Tensor, attention_mask=None) -> torch.Tensor:
+    """``labels_BN`` with image tokens and padding set to -100 (ignored)."""
+    ignore_BN = modality_BN == Modality.IMAGE
+    if attention_mask is not None:
+        ignore_BN = ignore_BN | ~attention_mask.bool()
+    return labels_BN.masked_fill(ignore_BN, -100)
+
+
 class ConceptMoEVLM(HubCodeMixin, PreTrainedModel, ConceptMoEGenerationMixin):
     config_class = ConceptMoEVLMConfig
     _hub_auto_map = {"AutoModel": "ConceptMoEVLM", "AutoModelForImageTextToText": "ConceptMoEVLM"}  # vlm.hub_code
@@ -233,6 +241,18 @@ class ConceptMoEVLM(HubCodeMixin, PreTrainedModel, ConceptMoEGenerationMixin):
             neighbours_BN2 = scatter_to_slots(slots_BN, neighbour_offsets(grids), left_BN2)
         return forced_BN, neighbours_BN2
 
+    def full_modality_ids(self, input_ids: torch.Tensor, modality_ids: torch.Tensor | None) -> torch.Tensor:
+        """[B, N] modality ids: ``input_ids == image_token_id`` by default; ``generate(use_cache=False)`` passes the
+        prompt's, which the new tokens (text) extend."""
+        if modality_ids is None:
+            return (input_ids == self.config.image_token_id).long()
+        if modality_ids.shape[1] < input_ids.shape[1]:
+            new_Bn = modality_ids.new_full(
+                (input_ids.shape[0], input_ids.shape[1] - modality_ids.shape[1]), Modality.TEXT
+            )
+            return torch.cat([modality_ids, new_Bn], dim=1)
+        return modality_ids
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -252,18 +272,13 @@ class ConceptMoEVLM(HubCodeMixin, PreTrainedModel, ConceptMoEGenerationMixin):
         return_dict: bool = True,
         **unexpected,
     ) -> ConceptMoECausalLMOutput:
-        """Rows from :class:`vlm.VLMProcessor` (or the data pipelines): token ids with image slots, the
-        patches of every image in the batch (any number per row, any sizes), and optional labels.
+        """Rows from :class:`vlm.VLMProcessor` (or the data pipelines): token ids with image slots, the patches of
+        every image in the batch (any number per row, any sizes), and optional labels (ignored on image tokens and
+        padding). ``num_tokens`` is accepted so that ``model(**batch)`` works, and ignored: the slots in
+        ``input_ids`` say where the images go. ``modality_ids`` defaults to ``input_ids == image_token_id``.
 
-        Labels are ignored on image tokens and padding. ``num_tokens`` (tokens per image, in every processor batch)
-        is accepted so that ``model(**batch)`` works, and ignored: the slots in ``input_ids`` say where the images
-        go and how many tokens each takes. ``modality_ids`` defaults to ``input_ids == image_token_id``.
-
-        Generation (``model.generate(**processor(text=..., images=...), max_new_tokens=...)``): the prefill runs
-        the images; later steps get only the new (text) tokens and the ``cache``, and ignore the image inputs.
-        ``generate`` also passes ``position_ids``, ``use_cache``, ``logits_to_keep`` and ``return_dict=True``; the
-        output is always a :class:`ConceptMoECausalLMOutput`. Any other keyword (a mistyped batch key,
-        ``output_attentions``, ...) is a ``TypeError`` naming it, never silently dropped.
+        Generation: the prefill runs the images; later steps get only the new (text) tokens and the ``cache``. The
+        output is always a :class:`ConceptMoECausalLMOutput`. Any other keyword is a ``TypeError`` naming it.
         """
         if unexpected:
             raise TypeError(
@@ -273,19 +288,10 @@ class ConceptMoEVLM(HubCodeMixin, PreTrainedModel, ConceptMoEGenerationMixin):
         lm = self.language_model
         if cache is not None and cache.get_seq_length() > 0:  # decode: new tokens are text
             return lm(input_ids=input_ids, attention_mask=attention_mask, cache=cache, logits_to_keep=logits_to_keep)
-        if modality_ids is None:
-            modality_ids = (input_ids == self.config.image_token_id).long()
-        elif modality_ids.shape[1] < input_ids.shape[1]:  # generate(use_cache=False): the prompt's, then new text
-            new_Bn = modality_ids.new_full(
-                (input_ids.shape[0], input_ids.shape[1] - modality_ids.shape[1]), Modality.TEXT
-            )
-            modality_ids = torch.cat([modality_ids, new_Bn], dim=1)
+        modality_ids = self.full_modality_ids(input_ids, modality_ids)
         embeds_BND = self.embed(input_ids, modality_ids, attention_mask, patches, patch_coord, patch_valid, grid_hw)
         if labels is not None:
-            ignore_BN = modality_ids == Modality.IMAGE
-            if attention_mask is not None:
-                ignore_BN = ignore_BN | ~attention_mask.bool()
-            labels = labels.masked_fill(ignore_BN, -100)
+            labels = text_labels(labels, modality_ids, attention_mask)
         forced_BN, neighbours_BN2 = self.chunking_inputs(modality_ids, attention_mask, grid_hw, use_cache)
         return lm(
             inputs_embeds=embeds_BND,

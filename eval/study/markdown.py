@@ -245,20 +245,6 @@ def commands_lines(data: dict, study: dict) -> list[str]:
 
 
 def render(data: dict, study: dict, links: dict, notes: str | None, notes_path: str | None) -> str:
-    tb = data["train_base"]
-    train, dat = tb.get("train") or {}, tb.get("data") or {}
-    if data["run_settings"]:  # what the runs used (their train.yaml), not what the config says now
-        ran = data["run_settings"][0]
-        train = {k.removeprefix("train."): v for k, v in ran.items() if k.startswith("train.")}
-        dat = {k.removeprefix("data."): v for k, v in ran.items() if k.startswith("data.")}
-    mixed = (
-        ""
-        if len(data["run_settings"]) < 2
-        else (
-            f" **The runs differ in their settings** ({len(data['run_settings'])} variants: study.json run_settings)."
-        )
-    )
-    pf = data["prefill"]
     lines = [
         f"# {study.get('title') or DEFAULT_TITLE}",
         "",
@@ -269,27 +255,13 @@ def render(data: dict, study: dict, links: dict, notes: str | None, notes_path: 
         "",
         "## Setup",
         "",
-        f"- Baseline `{data['baseline']}` (`chunking: none`); every other arm is `vlm.accounting.flops.match` of it "
-        f"(match report below), from the chunking settings {data['chunked_defaults']}.",
-        f"- Training (`scripts/train_vlm.py`, one process): {train.get('max_steps')} steps, batch "
-        f"{dat.get('batch_size')} rows of {dat.get('seq_len')} tokens, lr {train.get('lr')}, warmup "
-        f"{train.get('warmup')}; held-out evaluation on {train.get('eval_batches')} eval batches at the end.{mixed}",
-        f"- lmms-eval: {', '.join(data['eval']['tasks'])}, `--limit {data['eval']['limit']}`.",
-        f"- {' '.join(seeds_lines(data))}",
+        *setup_lines(data),
         "",
         "## Results",
         "",
         *results_table(data),
         "",
-        "Mean ± std over seeds (n − 1); R triples are means. Train LM loss: mean `lm_loss` over the last 10% of steps. "
-        "Held-out: the run's final evaluation on the eval shards (eval mode, no noise). lmms-eval R: token-weighted "
-        "over the prompts of all tasks. Train R: mean per-step R over the second half of training (train mode). R in "
-        f"band: share of those steps within ±{100 * data['r_band']:g}% of the target (per-modality targets: text and "
-        f"image each within band of its own). Prefill: {pf.get('tokens', '–')}"
-        f"-token text prompt, median of {pf.get('repeats', '–')}, 1 thread, the seed-0 export against the baseline's "
-        "in the same rounds (the baseline's own row: it against itself, the noise of the measurement). Train s: sum "
-        "of per-step times / the training subprocess's wall time (its last attempt; start-up, evaluation, checkpoints "
-        "and export included; concurrent runs share the cores).",
+        results_legend(data),
         "",
         "## Eval-mode R per task (lmms-eval prompts)",
         "",
@@ -308,15 +280,62 @@ def render(data: dict, study: dict, links: dict, notes: str | None, notes_path: 
         "",
         "## Plots",
         "",
+        *plot_lines(data, links),
     ]
+    lines += ["## Match report", "", *match_table(data), "", "## Commands", "", *commands_lines(data, study), ""]
+    return "\n".join(lines)
+
+
+def _ran_settings(data: dict) -> tuple[dict, dict]:
+    """The train and data settings the runs used (their train.yaml), not what the config says now."""
+    tb = data["train_base"]
+    train, dat = tb.get("train") or {}, tb.get("data") or {}
+    if data["run_settings"]:
+        ran = data["run_settings"][0]
+        train = {k.removeprefix("train."): v for k, v in ran.items() if k.startswith("train.")}
+        dat = {k.removeprefix("data."): v for k, v in ran.items() if k.startswith("data.")}
+    return train, dat
+
+
+def setup_lines(data: dict) -> list[str]:
+    train, dat = _ran_settings(data)
+    n = len(data["run_settings"])
+    mixed = "" if n < 2 else f" **The runs differ in their settings** ({n} variants: study.json run_settings)."
+    return [
+        f"- Baseline `{data['baseline']}` (`chunking: none`); every other arm is `vlm.accounting.flops.match` of it "
+        f"(match report below), from the chunking settings {data['chunked_defaults']}.",
+        f"- Training (`scripts/train_vlm.py`, one process): {train.get('max_steps')} steps, batch "
+        f"{dat.get('batch_size')} rows of {dat.get('seq_len')} tokens, lr {train.get('lr')}, warmup "
+        f"{train.get('warmup')}; held-out evaluation on {train.get('eval_batches')} eval batches at the end.{mixed}",
+        f"- lmms-eval: {', '.join(data['eval']['tasks'])}, `--limit {data['eval']['limit']}`.",
+        f"- {' '.join(seeds_lines(data))}",
+    ]
+
+
+def results_legend(data: dict) -> str:
+    pf = data["prefill"]
+    return (
+        "Mean ± std over seeds (n − 1); R triples are means. Train LM loss: mean `lm_loss` over the last 10% of steps. "
+        "Held-out: the run's final evaluation on the eval shards (eval mode, no noise). lmms-eval R: token-weighted "
+        "over the prompts of all tasks. Train R: mean per-step R over the second half of training (train mode). R in "
+        f"band: share of those steps within ±{100 * data['r_band']:g}% of the target (per-modality targets: text and "
+        f"image each within band of its own). Prefill: {pf.get('tokens', '–')}"
+        f"-token text prompt, median of {pf.get('repeats', '–')}, 1 thread, the seed-0 export against the baseline's "
+        "in the same rounds (the baseline's own row: it against itself, the noise of the measurement). Train s: sum "
+        "of per-step times / the training subprocess's wall time (its last attempt; start-up, evaluation, checkpoints "
+        "and export included; concurrent runs share the cores)."
+    )
+
+
+def plot_lines(data: dict, links: dict) -> list[str]:
     titles = {
         "loss": "Training loss per arm",
         "r_modality": f"R per modality over training ({data['plots_r_arm']})",
         "r_control": "Per-step R against the target (the arms of the YAML's plots.r_control)",
         "score_vs_r": "Score against R",
     }
+    lines = []
     for key, title in titles.items():
         if key in links:
             lines += [f"![{title}]({links[key]})", ""]
-    lines += ["## Match report", "", *match_table(data), "", "## Commands", "", *commands_lines(data, study), ""]
-    return "\n".join(lines)
+    return lines

@@ -50,6 +50,21 @@ def _finite(node):
     return None if isinstance(node, float) and not math.isfinite(node) else node
 
 
+def run_commands(path: Path) -> dict:
+    """The train and eval commands one run recorded (the report shows the first run's)."""
+    result = read_json(path / "result.json") or {}
+    train, evaluation = result.get("train") or {}, result.get("eval") or {}
+    return {"train": train.get("command"), "eval": evaluation.get("command"), "run": str(path)}
+
+
+def add_prefill(agg: dict, prefill: dict, arms: list[Arm]) -> None:
+    """Each arm's measured prefill-time ratio (``prefill.json``) as one more aggregated number."""
+    for arm in arms:
+        entry = (prefill.get("arms") or {}).get(arm.name)
+        if entry and agg.get(arm.name):
+            agg[arm.name]["prefill_ratio"] = {"mean": entry["ratio"], "std": None, "n": 1, "values": [entry["ratio"]]}
+
+
 def gather(study: dict, arms: list[Arm]) -> dict:
     """Every number of the study (see the module docstring), as ``study.json`` holds it."""
     ev, band = study["eval"], study["r_band"]
@@ -65,23 +80,14 @@ def gather(study: dict, arms: list[Arm]) -> dict:
             runs[arm.name][seed] = collect_run(path, arm.targets, band, main, tasks)
             if (mine := run_settings(path)) not in settings:
                 settings.append(mine)
-            if not commands:
-                result = read_json(path / "result.json") or {}
-                commands = {
-                    "train": (result.get("train") or {}).get("command"),
-                    "eval": (result.get("eval") or {}).get("command"),
-                    "run": str(path),
-                }
+            commands = commands or run_commands(path)
         numbers = list(runs[arm.name].values())
         agg[arm.name] = aggregate(numbers)
         chance[arm.name] = (
             {k: chance_of(numbers[0], k, main, tasks) for k in (*_CHANCE_METRICS, *score_keys)} if numbers else {}
         )
     prefill = read_json(Path(study["out"]) / "prefill.json") or {}
-    for arm in arms:
-        entry = (prefill.get("arms") or {}).get(arm.name)
-        if entry and agg.get(arm.name):
-            agg[arm.name]["prefill_ratio"] = {"mean": entry["ratio"], "std": None, "n": 1, "values": [entry["ratio"]]}
+    add_prefill(agg, prefill, arms)
     names = {a.name for a in arms}
     claims = [c for c in study["claims"] if all(x in names for comp in c["compare"] for x in (comp["a"], comp["b"]))]
     skipped_claims = [c["id"] for c in study["claims"] if c not in claims]

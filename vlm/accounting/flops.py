@@ -120,61 +120,27 @@ class _Block:
 
 # ----------------------------------------------------------------------------- count
 def count(config: ConceptMoEConfig, seq_len: int = 4096, r: float | None = None) -> dict:
-    """Params, active params, per-token FLOPs and KV cache of ``config`` at sequence length ``seq_len``.
+    """Params, active params, per-token forward FLOPs and KV cache of ``config`` at ``seq_len`` and compression ratio
+    ``r`` (default ``config.effective_r``), by the module docstring's conventions.
 
-    ``r`` is the compression ratio N / M (default ``config.effective_r``: target R, or 1 without chunking).
-    See the module docstring for the conventions. Returned keys (FLOPs are per token, forward):
-    ``params_total``, ``params_active``, ``params_active_nonembed``, ``params_embedding``,
-    ``flops_linear_per_token``, ``flops_attn_per_token``, ``flops_per_token`` (their sum),
-    ``kv_cache_per_token``, and a per-part breakdown under ``params`` and ``flops_linear``.
+    Keys: ``params_total``, ``params_active``, ``params_active_nonembed``, ``params_embedding``,
+    ``flops_linear_per_token``, ``flops_attn_per_token``, ``flops_per_token`` (their sum), ``kv_cache_per_token``,
+    ``r``, ``seq_len``, and per-part breakdowns ``params`` and ``flops_linear``.
     """
     cfg = _Fields.of(config)
     r = cfg.effective_r if r is None else float(r)
-    d, V = cfg.d_model, cfg.vocab_size
-    tok = _Block(d, cfg.token_head_dim, cfg.num_experts, cfg.top_k, cfg.expert_dim)
+    tok = _Block(cfg.d_model, cfg.token_head_dim, cfg.num_experts, cfg.top_k, cfg.expert_dim)
     d_c = cfg.concept_d_model
     con = _Block(d_c, cfg.concept_head_dim, cfg.concept_num_experts, cfg.concept_top_k, cfg.concept_expert_dim)
-    n_tok = cfg.encoder_layers + cfg.decoder_layers
-    schedule = cfg.concept_schedule()
-    q, kv = cfg.n_heads * cfg.token_head_dim, cfg.n_kv_heads * cfg.token_head_dim
-
-    # Chunk module (Eq. 2 / docs/paper.md §12.5; dynamic chunking only): cosine router q, k: d x d each; linear router:
-    # Linear(2d -> 1) with bias (it runs on N - 1 token pairs, counted as N). Every chunked model
-    # (dynamic or fixed) has an RMSNorm(d_c) after the concept model, the d -> d_c -> d projectors when
-    # the concept model is wider (strategy 3, §3.5), and joint decoding (Eq. 11): W_q^c,
-    # W_k^c, W_v^c (d -> H hd, KV hd, KV hd) in the last ``joint_layers`` decoder blocks.
-    dynamic = cfg.chunking == "dynamic"
-    chunk = (2 * d * d if cfg.boundary_router == "cosine" else 2 * d + 1) if dynamic else 0
-    proj = 2 * d * d_c if cfg.chunked and d_c != d else 0
-    joint = cfg.joint_layers * d * (q + 2 * kv) if cfg.chunked else 0
-    embed, head = V * d, (0 if cfg.tie_word_embeddings else d * V)
-    params = dict(
-        embedding=embed,
-        lm_head=head,
-        final_norm=d,
-        token_layers=n_tok * tok.params(cfg),
-        concept_layers=cfg.concept_layers * con.params(cfg),
-        concept_norm=d_c if cfg.chunked else 0,
-        chunk=chunk,
-        projectors=proj,
-        joint=joint,
-    )
+    n_tok, n_con = cfg.encoder_layers + cfg.decoder_layers, len(cfg.concept_schedule())
+    params = _params(cfg, tok, con, n_tok)
+    flops_linear = _flops_linear(cfg, params, tok, con, n_tok, n_con, r)
     total = sum(params.values())
     inactive = n_tok * tok.inactive_params(cfg) + cfg.concept_layers * con.inactive_params(cfg)
-
-    # Full rate: token layers, chunk module, joint projections, LM head. Per concept (/ r): every concept
-    # layer application of the schedule (strategy-2 loops included) and the projectors.
-    flops_linear = dict(
-        token_layers=n_tok * tok.linear_flops(cfg),
-        concept_layers=len(schedule) * con.linear_flops(cfg) / r,
-        chunk=(2 * chunk if cfg.boundary_router == "cosine" else 2 * 2 * d) if dynamic else 0,
-        projectors=2 * proj / r,
-        joint=2 * joint,
-        lm_head=2 * d * V,
-    )
+    embed, head = params["embedding"], params["lm_head"]
     linear = sum(flops_linear.values())
-    attn = n_tok * tok.attn_map_flops(cfg, seq_len) + len(schedule) * con.attn_map_flops(cfg, seq_len / r) / r
-    kv_cache = n_tok * tok.kv_elements(cfg) + len(schedule) * con.kv_elements(cfg) / r
+    attn = n_tok * tok.attn_map_flops(cfg, seq_len) + n_con * con.attn_map_flops(cfg, seq_len / r) / r
+    kv_cache = n_tok * tok.kv_elements(cfg) + n_con * con.kv_elements(cfg) / r
     return dict(
         params_total=total,
         params_active=total - inactive,
@@ -188,6 +154,42 @@ def count(config: ConceptMoEConfig, seq_len: int = 4096, r: float | None = None)
         seq_len=seq_len,
         params=params,
         flops_linear=flops_linear,
+    )
+
+
+def _params(cfg: _Fields, tok: _Block, con: _Block, n_tok: int) -> dict:
+    """Parameters per part. Chunk module (Eq. 2, dynamic chunking only): cosine router q, k (d x d each) or a
+    Linear(2d -> 1) with bias. Every chunked model has an RMSNorm(d_c) after the concept model, the d -> d_c -> d
+    projectors when the concept model is wider (strategy 3, §3.5) and joint decoding's W_q^c, W_k^c, W_v^c
+    (Eq. 11) in the last ``joint_layers`` decoder blocks."""
+    d, d_c, V = cfg.d_model, cfg.concept_d_model, cfg.vocab_size
+    q, kv = cfg.n_heads * cfg.token_head_dim, cfg.n_kv_heads * cfg.token_head_dim
+    dynamic = cfg.chunking == "dynamic"
+    return dict(
+        embedding=V * d,
+        lm_head=0 if cfg.tie_word_embeddings else d * V,
+        final_norm=d,
+        token_layers=n_tok * tok.params(cfg),
+        concept_layers=cfg.concept_layers * con.params(cfg),
+        concept_norm=d_c if cfg.chunked else 0,
+        chunk=(2 * d * d if cfg.boundary_router == "cosine" else 2 * d + 1) if dynamic else 0,
+        projectors=2 * d * d_c if cfg.chunked and d_c != d else 0,
+        joint=cfg.joint_layers * d * (q + 2 * kv) if cfg.chunked else 0,
+    )
+
+
+def _flops_linear(cfg: _Fields, params: dict, tok: _Block, con: _Block, n_tok: int, n_con: int, r: float) -> dict:
+    """Linear FLOPs per token and part. Full rate: token layers, chunk module (the linear router runs on N - 1 token
+    pairs, counted as N), joint projections, LM head. Per concept (/ r): each of the ``n_con`` concept layer
+    applications (strategy-2 loops included) and the projectors."""
+    dynamic = cfg.chunking == "dynamic"
+    return dict(
+        token_layers=n_tok * tok.linear_flops(cfg),
+        concept_layers=n_con * con.linear_flops(cfg) / r,
+        chunk=(2 * params["chunk"] if cfg.boundary_router == "cosine" else 2 * 2 * cfg.d_model) if dynamic else 0,
+        projectors=2 * params["projectors"] / r,
+        joint=2 * params["joint"],
+        lm_head=2 * cfg.d_model * cfg.vocab_size,
     )
 
 
@@ -264,24 +266,14 @@ def match(
     return_report: bool = False,
     **overrides,
 ):
-    """A chunked ConceptMoE config (``chunking="dynamic"``, ``target_r``) matched to a plain-MoE baseline.
+    """A chunked ConceptMoE config (``chunking="dynamic"``, ``target_r``) whose total params and linear FLOPs per
+    token (``count()``) match the plain-MoE baseline's within ``tol``; attention-map FLOPs are left out, as in the
+    paper (§3.5, footnote 2; docs/paper.md §9). Unsearched fields come from ``baseline_config`` and ``overrides``;
+    an override of a searched field pins it. ``strategy`` (searched in ``_structures``): 1 more active concept
+    experts, 2 loops over middle concept layers, 3 a wider concept model.
 
-    Total params and linear FLOPs per token (``count()``) must both match the baseline within ``tol``
-    (2%); attention-map FLOPs are left out, as in the paper (§3.5, footnote 2). Everything not searched
-    comes from ``baseline_config`` and ``overrides``; an override of a searched field pins it.
-    Strategies (§3.5, docs/paper.md §9), integer search:
-
-    1. more active concept experts: ``concept_top_k`` >= ``top_k`` (and ``concept_num_experts`` <= E to
-       absorb the chunk / joint params; all E kept when possible);
-    2. loops: ``concept_loop`` >= 2 over ``concept_loop_layers`` middle layers, plus ``concept_top_k`` /
-       ``concept_num_experts`` (fewest removed experts, then fewest repetitions, then - among
-       mismatches <= 0.75 tol - ``concept_loop_layers`` nearest L_C / 2);
-    3. wider concept model: ``concept_d_model`` in [1.25, 1.5] x d (closest to sqrt(R) d preferred),
-       fewer ``concept_num_experts``, ``concept_expert_dim`` in [0.75, 1] x F, any ``concept_top_k``.
-
-    Among candidates within ``tol`` the preferred shape wins, then the smallest max(|dparams|, |dflops|);
-    if none is within ``tol`` the smallest mismatch wins and a warning is logged. Returns the config, or
-    ``(config, match_report(...))`` with ``return_report=True``.
+    The preferred shape within ``tol`` wins, then the smallest max(|dparams|, |dflops|); with none within ``tol``
+    the smallest mismatch wins and a warning is logged. Returns the config, or ``(config, match_report(...))``.
     """
     reset = {**dict.fromkeys(_SEARCHED), "concept_loop": 1, "concept_loop_layers": 0}
     reset = {k: v for k, v in reset.items() if k not in overrides}
@@ -289,43 +281,8 @@ def match(
     base = ConceptMoEConfig(**{**kwargs, **reset, **overrides, "chunking": "none", "target_r": 1.0})
     kwargs = {k: getattr(base, k) for k in _FIELDS}  # validated and normalised (n_kv_heads, joint_layers)
     kwargs.update(chunking=overrides.get("chunking", "dynamic"), target_r=float(target_r))
-    ref = count(baseline_config, seq_len)
-    p_ref, f_ref = ref["params_total"], ref["flops_linear_per_token"]
-
-    def build(knobs: dict, k: int) -> _Fields:
-        return _Fields({**kwargs, **knobs, "concept_top_k": k})
-
-    def mismatch(cfg: ConceptMoEConfig) -> float:
-        c = count(cfg, seq_len)
-        return max(abs(c["params_total"] / p_ref - 1), abs(c["flops_linear_per_token"] / f_ref - 1))
-
-    best = None  # (key, knobs, k); key = (outside tol, hard pref, outside 0.75 tol, soft pref, mismatch)
-    for knobs, hard, soft in _structures(base, float(target_r), strategy, overrides):
-        e = knobs["concept_num_experts"]
-        k_lo = base.top_k if strategy in (1, 2) else 1
-        pinned_k = overrides.get("concept_top_k")
-        if best is not None and not best[0][0] and hard > best[0][1]:
-            continue  # a better-shaped candidate already fits
-        if pinned_k is None and k_lo > e:
-            continue
-        c0 = count(build(knobs, pinned_k or k_lo), seq_len)
-        d_params = abs(c0["params_total"] / p_ref - 1)  # params do not depend on k_c
-        if d_params > tol and best is not None and (not best[0][0] or d_params >= best[0][-1]):
-            continue
-        if pinned_k is not None:
-            ks = [pinned_k]
-        else:
-            # Linear FLOPs are affine in k_c: solve for the baseline's, then try the integer neighbours.
-            f0 = c0["flops_linear_per_token"]
-            slope = count(build(knobs, k_lo + 1), seq_len)["flops_linear_per_token"] - f0 if e > k_lo else 1
-            k_star = k_lo + (f_ref - f0) / slope
-            ks = sorted({min(max(k, k_lo), e) for k in (math.floor(k_star), math.ceil(k_star))})
-        for k in ks:
-            err = mismatch(build(knobs, k))
-            key = (err > tol, hard, err > 0.75 * tol, soft, err) if err <= tol else (True, (), True, 0, err)
-            if best is None or key < best[0]:
-                best = (key, knobs, k)
-
+    search = _Search(kwargs, count(baseline_config, seq_len), seq_len, tol)
+    best = search.best(base, float(target_r), strategy, overrides)
     if best is None:
         raise ValueError(f"no strategy-{strategy} candidate for this baseline (check the pinned overrides)")
     config = ConceptMoEConfig(**{**kwargs, **best[1], "concept_top_k": best[2]})
@@ -335,6 +292,51 @@ def match(
         msg = "match(strategy=%d, R=%s): best candidate is off by params %+.2f%%, linear FLOPs %+.2f%%"
         logger.warning(msg, strategy, target_r, p, f)
     return (config, report) if return_report else config
+
+
+class _Search:
+    """``match``'s search: candidate configs from ``kwargs``, scored by their mismatch with the baseline's count."""
+
+    def __init__(self, kwargs: dict, ref: dict, seq_len: int, tol: float):
+        self.kwargs, self.seq_len, self.tol = kwargs, seq_len, tol
+        self.p_ref, self.f_ref = ref["params_total"], ref["flops_linear_per_token"]
+
+    def build(self, knobs: dict, k: int) -> _Fields:
+        return _Fields({**self.kwargs, **knobs, "concept_top_k": k})
+
+    def mismatch(self, cfg: _Fields) -> float:
+        c = count(cfg, self.seq_len)
+        return max(abs(c["params_total"] / self.p_ref - 1), abs(c["flops_linear_per_token"] / self.f_ref - 1))
+
+    def best(self, base: ConceptMoEConfig, target_r: float, strategy: int, overrides: dict):
+        """(key, knobs, k) of the best candidate, or None; key = (outside tol, hard pref, outside 0.75 tol, soft
+        pref, mismatch)."""
+        best, tol = None, self.tol
+        for knobs, hard, soft in _structures(base, target_r, strategy, overrides):
+            e = knobs["concept_num_experts"]
+            k_lo = base.top_k if strategy in (1, 2) else 1
+            pinned_k = overrides.get("concept_top_k")
+            if best is not None and not best[0][0] and hard > best[0][1]:
+                continue  # a better-shaped candidate already fits
+            if pinned_k is None and k_lo > e:
+                continue
+            c0 = count(self.build(knobs, pinned_k or k_lo), self.seq_len)
+            d_params = abs(c0["params_total"] / self.p_ref - 1)  # params do not depend on k_c
+            if d_params > tol and best is not None and (not best[0][0] or d_params >= best[0][-1]):
+                continue
+            for k in [pinned_k] if pinned_k is not None else self.top_ks(knobs, k_lo, c0):
+                err = self.mismatch(self.build(knobs, k))
+                key = (err > tol, hard, err > 0.75 * tol, soft, err) if err <= tol else (True, (), True, 0, err)
+                if best is None or key < best[0]:
+                    best = (key, knobs, k)
+        return best
+
+    def top_ks(self, knobs: dict, k_lo: int, c0: dict) -> list[int]:
+        """Linear FLOPs are affine in k_c: solve for the baseline's, then take the integer neighbours."""
+        e, f0 = knobs["concept_num_experts"], c0["flops_linear_per_token"]
+        slope = count(self.build(knobs, k_lo + 1), self.seq_len)["flops_linear_per_token"] - f0 if e > k_lo else 1
+        k_star = k_lo + (self.f_ref - f0) / slope
+        return sorted({min(max(k, k_lo), e) for k in (math.floor(k_star), math.ceil(k_star))})
 
 
 # ----------------------------------------------------------------------------- CLI

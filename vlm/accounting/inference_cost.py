@@ -101,44 +101,22 @@ def decode_cost(
     bandwidth: float | None = None,
     aligned: bool = False,
 ) -> dict:
-    """Cost of one decode step (``batch`` rows, each with ``kv_len`` cached tokens) and per generated token.
+    """Cost of one decode step (``batch`` rows, each with ``kv_len`` cached tokens) and per generated token: Table 1
+    generalised to decoding (its attention column for one query over N cached keys, N / R in concept layers; its
+    KV column as the bytes read back each step). A model, not measurements:
 
-    Generalises Table 1 to decoding: its attention column for one query over N cached keys (N / R in concept
-    layers) and its KV column as the bytes read back each step. Assumptions (the model, not measurements):
-
-    * FLOPs per token = ``count()`` linear FLOPs (token layers, chunk module, joint projections and LM head at
-      full rate, concept layers and projectors at 1/r) + attention 4 H hd kv_len per token layer and
-      (1/r) 4 H hd_c (kv_len / r) per concept-layer application (= 2 x ``count(kv_len)["flops_attn_per_token"]``:
-      a decode query sees every key, a causal prefill query ~half).
-    * Bytes per step = weights read + KV cache read (nothing is cached on chip between steps or layers). Weights:
-      every non-expert weight of the token layers, the chunk / joint / LM-head weights and B embedding rows every
-      step; per MoE layer the expected distinct experts of its rows under uniform routing,
-      E (1 - (1 - k/E)^rows) (k for one row, bounded by E). The concept model runs only on rows at a boundary
-      (probability 1/r each, independently; with ``aligned`` all rows together on 1/r of the steps) and reads
-      its weights once per schedule entry (a looped layer is read again on each application).
-      KV read: B kv_len per token layer, (B / r) (kv_len / r) per concept application, 2 KV hd entries each.
-    * Time per step = max(FLOPs / ``peak_flops``, bytes / ``bandwidth``) (roofline; both in per-second units);
-      ``time_s`` and ``tokens_per_s`` are None unless both are given. No launch or framework overhead.
+    * FLOPs per token = ``count()``'s linear FLOPs + attention 4 H hd kv_len per token layer and (1/r) 4 H hd_c
+      (kv_len / r) per concept-layer application (2 x ``flops_attn_per_token``: a decode query sees every key).
+    * Bytes per step = weights read (``_decode_weights``) + KV cache read (``_decode_kv_elements``); nothing stays
+      on chip between steps or layers.
+    * Time per step = max(FLOPs / ``peak_flops``, bytes / ``bandwidth``) (roofline, per-second units); ``time_s``
+      and ``tokens_per_s`` are None unless both are given. No launch or framework overhead.
     """
     c = count(config, kv_len, r)
     r = c["r"]
     flops_tok = c["flops_linear_per_token"] + 2 * c["flops_attn_per_token"]
-    p = _layer_params(config, r)
-    n_tok = config.encoder_layers + config.decoder_layers
-    weights = p["always"] + min(batch * config.d_model, p["embedding"])
-    weights += n_tok * (p["tok_other"] + distinct_experts(config.num_experts, config.top_k, batch) * p["tok_expert"])
-    schedule = config.concept_schedule()
-    # a baseline's "concept layers" are ordinary layers: every row runs them every step
-    for prob, rows in _concept_row_counts(batch, r, aligned) if config.chunked else [(1.0, batch)]:
-        if rows:
-            per_layer = (
-                p["con_other"]
-                + distinct_experts(config.concept_num_experts, config.concept_top_k, rows) * p["con_expert"]
-            )
-            weights += prob * (p["per_concept_step"] + len(schedule) * per_layer)
-    # count() caches e_con / r per token for the concept layers; a step reads them for B / r rows of kv_len / r keys
-    e_con = len(schedule) * 2 * config.n_kv_heads * config.concept_head_dim
-    kv_elems = batch * kv_len * (c["kv_cache_per_token"] - e_con / r + e_con / (r * r))
+    weights = _decode_weights(config, batch, r, aligned)
+    kv_elems = _decode_kv_elements(config, c["kv_cache_per_token"], kv_len, batch, r)
     step_bytes = dtype_bytes * (weights + kv_elems)
     step_flops = batch * flops_tok
     out = dict(
@@ -158,6 +136,35 @@ def decode_cost(
         out.update(time_s=max(t_flops, t_bytes), bound="compute" if t_flops >= t_bytes else "memory")
         out["tokens_per_s"] = batch / out["time_s"]
     return out
+
+
+def _decode_weights(config: ConceptMoEConfig, batch: int, r: float, aligned: bool) -> float:
+    """Expected weights one decode step reads: every non-expert weight of the token layers, the chunk / joint /
+    LM-head weights and B embedding rows; per MoE layer the distinct experts of its rows (``distinct_experts``).
+    The concept model runs only on rows at a boundary (``_concept_row_counts``) and reads its weights once per
+    schedule entry (a looped layer again on each application)."""
+    p = _layer_params(config, r)
+    n_tok = config.encoder_layers + config.decoder_layers
+    weights = p["always"] + min(batch * config.d_model, p["embedding"])
+    weights += n_tok * (p["tok_other"] + distinct_experts(config.num_experts, config.top_k, batch) * p["tok_expert"])
+    schedule = config.concept_schedule()
+    # a baseline's "concept layers" are ordinary layers: every row runs them every step
+    for prob, rows in _concept_row_counts(batch, r, aligned) if config.chunked else [(1.0, batch)]:
+        if rows:
+            per_layer = (
+                p["con_other"]
+                + distinct_experts(config.concept_num_experts, config.concept_top_k, rows) * p["con_expert"]
+            )
+            weights += prob * (p["per_concept_step"] + len(schedule) * per_layer)
+    return weights
+
+
+def _decode_kv_elements(config: ConceptMoEConfig, kv_per_token: float, kv_len: int, batch: int, r: float) -> float:
+    """KV elements one decode step reads: B kv_len per token layer, (B / r) (kv_len / r) per concept application,
+    2 KV hd each."""
+    # count() caches e_con / r per token for the concept layers; a step reads them for B / r rows of kv_len / r keys
+    e_con = len(config.concept_schedule()) * 2 * config.n_kv_heads * config.concept_head_dim
+    return batch * kv_len * (kv_per_token - e_con / r + e_con / (r * r))
 
 
 def ideal_decode_speedup(baseline, candidate, kv_len: int, batch: int, r: float | None = None, **kwargs) -> float:

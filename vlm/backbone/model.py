@@ -35,6 +35,17 @@ def doc_ids_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.cumsum((position_ids == 0).long(), dim=1)
 
 
+def next_token_loss(logits_BNV: torch.Tensor, labels_BN: torch.Tensor, attention_mask=None) -> torch.Tensor:
+    """Mean cross-entropy of each position's logits against the next label (-100 ignored; 0, not NaN, when nothing
+    is labelled)."""
+    targets = labels_BN[:, 1:]
+    if attention_mask is not None:  # never predict a token from a padding position (left padding)
+        targets = targets.masked_fill(~attention_mask[:, :-1].bool(), -100)
+    targets = targets.flatten()
+    nll = F.cross_entropy(logits_BNV[:, :-1].flatten(0, 1).float(), targets, ignore_index=-100, reduction="sum")
+    return nll / (targets != -100).sum().clamp_min(1)
+
+
 class ConceptMoEPreTrainedModel(HubCodeMixin, PreTrainedModel):
     config_class = ConceptMoEConfig
     _hub_auto_map = {"AutoModel": "ConceptMoEModel"}  # save_pretrained writes the code too (vlm.hub_code)
@@ -290,16 +301,13 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, ConceptMoEGenerationMixin
     ) -> ConceptMoECausalLMOutput:
         """Logits for every position; with ``labels`` (aligned with the inputs, -100 = ignore) the loss.
 
-        ``doc_ids`` [B, N] marks packed documents (no attention, merging or EMA across them; positions
-        restart); ``attention_mask`` marks padding (0); ``modality_ids`` feeds ``chunk_stats`` (and the
-        per-modality ratio losses when ``target_r_by_modality`` is set); ``forced_boundaries`` [B, N] bool
-        marks tokens that must close a concept (p = b = 1 there, like a document start); ``boundary_neighbours``
-        [B, N, 2] long says how many tokens back the (left, up) tokens lie that the router compares each token
-        with (0 = none; 2-D image chunking, ``vlm.image_scan``; default: the previous token).
-
-        Generation: ``use_cache=True`` returns ``cache`` (prefill); passing it back with the next tokens (and the
-        attention mask grown by their columns) decodes them incrementally. ``logits_to_keep`` > 0 computes the
-        logits of the last positions only.
+        ``doc_ids`` [B, N] marks packed documents (no attention, merging or EMA across them; positions restart);
+        ``attention_mask`` marks padding (0); ``modality_ids`` feeds ``chunk_stats`` (and per-modality ratio losses);
+        ``forced_boundaries`` [B, N] bool marks tokens that must close a concept; ``boundary_neighbours`` [B, N, 2]
+        long: how many tokens back the router's (left, up) comparison tokens lie (2-D image chunking,
+        ``vlm.image_scan``; default the previous token). ``use_cache=True`` returns ``cache`` (prefill); passing it
+        back with the next tokens (and the mask grown by their columns) decodes them incrementally.
+        ``logits_to_keep`` > 0: logits of the last positions only.
         """
         out = self.model(
             input_ids=input_ids,
@@ -320,20 +328,20 @@ class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, ConceptMoEGenerationMixin
         aux = dict(out.aux)
         loss = None
         if labels is not None:
-            targets = labels[:, 1:]
-            if attention_mask is not None:  # never predict a token from a padding position (left padding)
-                targets = targets.masked_fill(~attention_mask[:, :-1].bool(), -100)
-            targets = targets.flatten()
-            nll = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets, ignore_index=-100, reduction="sum")
-            aux["lm_loss"] = nll / (targets != -100).sum().clamp_min(1)  # 0, not NaN, when nothing is labelled
-            cfg = self.config
-            loss = aux["lm_loss"]
-            if "ratio_loss" in aux:
-                loss = loss + cfg.ratio_loss_weight * aux["ratio_loss"]
-            if "balance_loss" in aux:
-                loss = loss + cfg.balance_loss_weight * aux["balance_loss"]
-                if cfg.moe_z_loss_weight > 0:
-                    loss = loss + cfg.moe_z_loss_weight * aux["z_loss"]
+            aux["lm_loss"] = next_token_loss(logits, labels, attention_mask)
+            loss = self.total_loss(aux)
         return ConceptMoECausalLMOutput(
             loss=loss, logits=logits, aux=aux, chunk_stats=out.chunk_stats, cache=out.cache, chunk=out.chunk
         )
+
+    def total_loss(self, aux: dict) -> torch.Tensor:
+        """``lm_loss`` plus the weighted auxiliary objectives present in ``aux`` (ratio, balance, z losses)."""
+        cfg = self.config
+        loss = aux["lm_loss"]
+        if "ratio_loss" in aux:
+            loss = loss + cfg.ratio_loss_weight * aux["ratio_loss"]
+        if "balance_loss" in aux:
+            loss = loss + cfg.balance_loss_weight * aux["balance_loss"]
+            if cfg.moe_z_loss_weight > 0:
+                loss = loss + cfg.moe_z_loss_weight * aux["z_loss"]
+        return loss

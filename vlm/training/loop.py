@@ -8,6 +8,7 @@ import logging
 import os
 import random
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -88,8 +89,6 @@ def run(config: dict, run_dir: str, ds_config: dict | str | None = None, resume:
     """Train per ``config`` into ``run_dir`` with the DeepSpeed config ``ds_config`` (reconciled with ``config`` by
     ``vlm.training.ds_config.deepspeed_config``; a JSON path or None is reconciled here); returns the last step's
     metrics record."""
-    import deepspeed
-
     init_distributed()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     os.makedirs(run_dir, exist_ok=True)
@@ -98,73 +97,102 @@ def run(config: dict, run_dir: str, ds_config: dict | str | None = None, resume:
     found = _agreed_checkpoint(run_dir, resume, rank, world_size)  # before the model is built: fails fast
     if rank == 0:
         write_text_atomic(os.path.join(run_dir, DS_CONFIG_FILE), json.dumps(ds, indent=2))
-    model, processor = build_model(config)
-    announce_build(optimizer_builder(ds))  # DeepSpeed's own Adam ("torch_adam": false) compiles on first use
-    engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=optimizer_groups(model, train["router_lr_scale"]), config=ds
-    )
-    log.info("learning rate: %s; precision: %s", schedule_owner(ds), precision_of(engine))
+    model, processor, engine = _build_engine(config, ds)
     _seed_everything(train["seed"] + rank)
     loader = make_loader(config, processor, config["data"]["shards"], rank, world_size)
-    step, guard = 0, NonFiniteGuard(train["max_nonfinite"])
+    session = _Session(config, run_dir, engine, processor, loader, NonFiniteGuard(train["max_nonfinite"]), rank)
     if found is not None:
-        client, rank_state = checkpoint.load(engine, found.root, found.tag)
-        step, guard.total = client["step"], client["nonfinite_total"]
-        loader.load_state_dict(rank_state["loader"])
-        checkpoint.set_rng_state(rank_state["rng"])
-        if rank == 0:
-            truncate_metrics(run_dir, step)
-        log.info("resumed from %s/%s at step %d", found.root, found.tag, step)
-    settings = TrainSettings(
-        steps=train["max_steps"], lr=train["lr"], warmup=train["warmup"], min_lr_ratio=train["min_lr_ratio"]
-    )
-    target_r = model.config.text_config.effective_r
-    writer = MetricsWriter(
-        run_dir,
-        enabled=rank == 0,
-        total_steps=train["max_steps"],
-        start_step=step,
-        log_every=train["log_every"],
-        monitor=engine.monitor if engine.monitor.enabled else None,
-    )
-    own_schedule = "scheduler" not in ds
-    eval_on = bool(config["data"]["eval_shards"] and train["eval_every"])
-
-    def save() -> None:
-        checkpoint.save(
-            engine,
-            run_dir,
-            step,
-            {"step": step, "nonfinite_total": guard.total},
-            {"loader": loader.state_dict(), "rng": checkpoint.rng_state()},
-            train["keep_last"],
-        )
-
-    batches, record = iter(loader), {}
-    engine.train()
-    try:
-        while step < train["max_steps"]:
-            # the base lr this step uses (ours, or what the JSON's scheduler set), with each group's lr_scale on top
-            lr = set_lr(engine.optimizer, lr_at(step, settings) if own_schedule else None)
-            micro = next_batches(batches, train["grad_accum"])
-            start = time.perf_counter()
-            stats = train_step(engine, micro, guard, step + 1)
-            step += 1
-            elapsed = time.perf_counter() - start
-            held_out = None  # the eval runs before the step's line is printed, so that the line carries it
-            if eval_on and step % train["eval_every"] == 0:
-                eval_loader = make_loader(config, processor, config["data"]["eval_shards"], rank, world_size, False)
-                held_out = evaluate(engine, eval_loader, train["eval_batches"])
-            record = writer.step_record(step, lr, target_r, stats, elapsed, guard, held_out)
-            if step % train["save_every"] == 0 or step == train["max_steps"]:
-                save()
-    except NonFiniteLossError:
-        save()
-        raise
-    finally:
-        writer.close()
+        session.resume(found)
+    record = session.train(own_schedule="scheduler" not in ds, target_r=model.config.text_config.effective_r)
     if train["export"] and rank == 0:
         export_checkpoint(run_dir, out_dir=os.path.join(run_dir, "hf"))
     if dist.is_initialized():
         dist.barrier()
     return record
+
+
+def _build_engine(config: dict, ds: dict):
+    """(model, processor, DeepSpeed engine); the router's parameters train at ``train.router_lr_scale`` of the lr."""
+    import deepspeed
+
+    model, processor = build_model(config)
+    announce_build(optimizer_builder(ds))  # DeepSpeed's own Adam ("torch_adam": false) compiles on first use
+    groups = optimizer_groups(model, config["train"]["router_lr_scale"])
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=ds)
+    log.info("learning rate: %s; precision: %s", schedule_owner(ds), precision_of(engine))
+    return model, processor, engine
+
+
+@dataclass
+class _Session:
+    """One rank's training run: the engine, its data and the step reached (what a checkpoint saves)."""
+
+    config: dict
+    run_dir: str
+    engine: object
+    processor: object
+    loader: object
+    guard: NonFiniteGuard
+    rank: int
+    step: int = 0
+
+    def resume(self, found: Found) -> None:
+        client, rank_state = checkpoint.load(self.engine, found.root, found.tag)
+        self.step, self.guard.total = client["step"], client["nonfinite_total"]
+        self.loader.load_state_dict(rank_state["loader"])
+        checkpoint.set_rng_state(rank_state["rng"])
+        if self.rank == 0:
+            truncate_metrics(self.run_dir, self.step)
+        log.info("resumed from %s/%s at step %d", found.root, found.tag, self.step)
+
+    def save(self) -> None:
+        client = {"step": self.step, "nonfinite_total": self.guard.total}
+        rank_state = {"loader": self.loader.state_dict(), "rng": checkpoint.rng_state()}
+        checkpoint.save(self.engine, self.run_dir, self.step, client, rank_state, self.config["train"]["keep_last"])
+
+    def held_out(self) -> dict | None:
+        """The held-out eval on the steps it is due (every ``train.eval_every`` with eval shards), else None."""
+        train, data = self.config["train"], self.config["data"]
+        if not (data["eval_shards"] and train["eval_every"]) or self.step % train["eval_every"] != 0:
+            return None
+        world_size = dist.get_world_size()
+        eval_loader = make_loader(self.config, self.processor, data["eval_shards"], self.rank, world_size, False)
+        return evaluate(self.engine, eval_loader, train["eval_batches"])
+
+    def train(self, own_schedule: bool, target_r: float) -> dict:
+        """Steps to ``train.max_steps``, saving every ``save_every``, at the end and on a non-finite loss stop;
+        ``own_schedule``: our warmup + cosine sets the lr (else the DeepSpeed JSON's scheduler). The last record."""
+        train, engine = self.config["train"], self.engine
+        settings = TrainSettings(
+            steps=train["max_steps"], lr=train["lr"], warmup=train["warmup"], min_lr_ratio=train["min_lr_ratio"]
+        )
+        monitor = engine.monitor if engine.monitor.enabled else None
+        writer = MetricsWriter(
+            self.run_dir,
+            enabled=self.rank == 0,
+            total_steps=train["max_steps"],
+            start_step=self.step,
+            log_every=train["log_every"],
+            monitor=monitor,
+        )
+        batches, record = iter(self.loader), {}
+        engine.train()
+        try:
+            while self.step < train["max_steps"]:
+                # the base lr this step uses (ours, or what the JSON's scheduler set), with each group's lr_scale
+                lr = set_lr(engine.optimizer, lr_at(self.step, settings) if own_schedule else None)
+                micro = next_batches(batches, train["grad_accum"])
+                start = time.perf_counter()
+                stats = train_step(engine, micro, self.guard, self.step + 1)
+                self.step += 1
+                elapsed = time.perf_counter() - start
+                held_out = self.held_out()  # before the step's line is printed, so that the line carries it
+                record = writer.step_record(self.step, lr, target_r, stats, elapsed, self.guard, held_out)
+                if self.step % train["save_every"] == 0 or self.step == train["max_steps"]:
+                    self.save()
+        except NonFiniteLossError:
+            self.save()
+            raise
+        finally:
+            writer.close()
+        return record

@@ -172,11 +172,6 @@ def pretrain_vision(cfg: VisionPretrainConfig, log: Callable[[str], None] = prin
             history.append({"step": step + 1, **evaluate(model, held_out, processor, pad, cfg.batch_size, skipped)})
             log(json.dumps(history[-1]))
 
-    out_path = Path(cfg.out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    partial = out_path.with_name(out_path.name + ".partial")  # a crash mid-write never leaves a cut file at out
-    save_file({k: v.detach().contiguous() for k, v in tower.model.state_dict().items()}, str(partial))
-    partial.replace(out_path)
     record = {
         "tower": fields,
         "config": asdict(cfg),
@@ -185,9 +180,19 @@ def pretrain_vision(cfg: VisionPretrainConfig, log: Callable[[str], None] = prin
         "eval": history,
         "seconds": round(time.time() - t0, 1),
     }
-    out_path.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
-    log(f"pretrain_vision: wrote {out_path} and {out_path.with_suffix('.json').name}")
+    write_tower(Path(cfg.out), tower, record)
+    log(f"pretrain_vision: wrote {cfg.out} and {Path(cfg.out).with_suffix('.json').name}")
     return record
+
+
+def write_tower(out_path: Path, tower: VisionTower, record: dict) -> None:
+    """The tower's weights as ``out_path`` (safetensors; written aside, then renamed: a crash never leaves a cut
+    file there) and ``record`` beside it as ``.json``."""
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    partial = out_path.with_name(out_path.name + ".partial")
+    save_file({k: v.detach().contiguous() for k, v in tower.model.state_dict().items()}, str(partial))
+    partial.replace(out_path)
+    out_path.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
 
 
 @torch.no_grad()
