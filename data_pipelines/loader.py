@@ -51,6 +51,7 @@ import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from data_pipelines.packing import LOSS_ON, Packer, TokenEncoder, collate_rows, encode_sample_tokens
+from data_pipelines.run_config import DataConfig, default_of
 from data_pipelines.schema import MAX_IMAGE_PIXELS, SKIP_KINDS, SkipSample, decode_sample
 from data_pipelines.tar_reader import MAX_MEMBER_BYTES, TruncatedTar, expand_shards, read_tar_groups, skip_marked
 from data_pipelines.tokenizer import add_vlm_tokens
@@ -60,18 +61,6 @@ logger = logging.getLogger(__name__)
 skip_logger = logging.getLogger(f"{__name__}.skips")  # one record per skipped sample (the checker's --verbose)
 
 STATE_VERSION = 1
-# The ``data`` section defaults of a training config (``vlm.training.config.SCHEMA`` reads them; so does
-# ``python -m data_pipelines.check --config``); ``shards`` has none: it must be given.
-DATA_DEFAULTS = {
-    "eval_shards": None,
-    "tokenizer": None,  # None: the package's tokenizer (``data_pipelines.tokenizer.load_tokenizer``)
-    "seq_len": 256,
-    "batch_size": 2,
-    "num_workers": 0,
-    "max_patches": 64,  # the image processor's patch budget per image
-    "split_documents": False,
-    "loss_on": "auto",  # one of data_pipelines.packing.LOSS_ON
-}
 
 
 def _zero_counts() -> dict:
@@ -354,20 +343,20 @@ def make_dataloader(
     shards,
     tokenizer,
     image_processor: ImageProcessor | None = None,
-    seq_len: int = 1024,
-    batch_size: int = 8,
+    seq_len: int = default_of(DataConfig, "seq_len"),
+    batch_size: int = default_of(DataConfig, "batch_size"),
     rank: int = 0,
     world_size: int = 1,
-    num_workers: int = 0,
+    num_workers: int = default_of(DataConfig, "num_workers"),
     seed: int = 0,
     shuffle_buffer: int = 1000,
     epochs: int | None = None,
     image_token_id: int | None = None,
     max_image_pixels: int = MAX_IMAGE_PIXELS,
     shuffle: bool = True,
-    split_documents: bool = False,
+    split_documents: bool = default_of(DataConfig, "split_documents"),
     pin_memory: bool = False,
-    loss_on: str = "auto",
+    loss_on: str = default_of(DataConfig, "loss_on"),
     max_member_bytes: int = MAX_MEMBER_BYTES,
 ) -> ShardLoader:
     """Packed ``[batch_size, seq_len]`` batches from webdataset shards (paths, brace patterns, globs, folders, and
@@ -380,6 +369,7 @@ def make_dataloader(
     ``split_documents``: see ``data_pipelines.packing``. ``shuffle=False`` reads shards and samples in order.
     ``loss_on`` (``packing.LOSS_ON``): ``auto`` labels the assistant turns of conversations and all text elsewhere.
     ``max_member_bytes``: a sample with a bigger tar member (decompressed) is skipped as ``member_too_large``.
+    The data settings default to a training run's (``DataConfig``); ``loader_from_config`` takes them from one.
     """
     settings = dict(
         seq_len=seq_len,
@@ -405,6 +395,22 @@ def make_dataloader(
     image_processor = image_processor or ImageProcessor()
     cfg = dict(shards=expand_shards(shards), encoder=encoder, image_processor=image_processor, **settings)
     return ShardLoader(cfg | {"image_token_id": image_token_id}, pin_memory=pin_memory)
+
+
+def loader_from_config(
+    data: DataConfig, tokenizer, image_processor: ImageProcessor | None = None, shards=None, **options
+) -> ShardLoader:
+    """``make_dataloader`` with a run's data settings (``seq_len``, ``batch_size``, ``num_workers``,
+    ``split_documents``, ``loss_on``); ``shards`` default to ``data.shards``; ``options`` are the other arguments
+    of ``make_dataloader`` (rank, world_size, seed, epochs, shuffle, image_token_id, ...)."""
+    settings = dict(
+        seq_len=data.seq_len,
+        batch_size=data.batch_size,
+        num_workers=data.num_workers,
+        split_documents=data.split_documents,
+        loss_on=data.loss_on,
+    )
+    return make_dataloader(data.shards if shards is None else shards, tokenizer, image_processor, **settings | options)
 
 
 def _image_token_id(tokenizer) -> int:

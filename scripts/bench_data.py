@@ -6,9 +6,10 @@
 Writes synthetic shards (scenes + documents + text, ``--samples-per-kind`` each) to a temporary folder, then
 in one run measures:
 
-* the loader (``data_pipelines.make_dataloader`` with the shipped tokenizer and the model's image processor)
-  with 0, 1 and 2 workers: samples/s and tokens/s in steady state (the first batch, which pays for worker
-  start-up and the first shard opens, is timed separately), ``--repeats`` times round-robin, median shown;
+* the loader (``data_pipelines.loader.loader_from_config`` over a ``DataConfig``, with the shipped tokenizer and
+  the model's image processor) with 0, 1 and 2 workers: samples/s and tokens/s in steady state (the first batch,
+  which pays for worker start-up and the first shard opens, is timed separately), ``--repeats`` times round-robin,
+  median shown;
 * the training step of ``ConceptMoEVLM.from_preset("small")`` (forward + backward + AdamW, on CUDA when there
   is one, fp32) on batches from that loader: tokens/s consumed.
 
@@ -24,11 +25,13 @@ import argparse
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from data_pipelines import make_dataloader
+from data_pipelines.loader import loader_from_config
+from data_pipelines.run_config import DataConfig
 from data_pipelines.synthetic import interleave
 from data_pipelines.tokenizer import load_tokenizer
 from data_pipelines.writer import load_manifest, write_shards
@@ -128,16 +131,13 @@ def main() -> None:
             f"{time.perf_counter() - start:.1f} s"
         )
 
+        data = DataConfig(
+            shards=shards, seq_len=args.seq_len, batch_size=args.batch_size, split_documents=args.split_documents
+        )
+
         def loader(num_workers: int):
-            return make_dataloader(
-                shards,
-                tokenizer,
-                image_processor=image_processor,
-                seq_len=args.seq_len,
-                batch_size=args.batch_size,
-                num_workers=num_workers,
-                seed=args.seed,
-                split_documents=args.split_documents,
+            return loader_from_config(
+                replace(data, num_workers=num_workers), tokenizer, image_processor, seed=args.seed
             )
 
         # Round-robin repeats, median per setting: load drift on a shared machine hits every setting alike.

@@ -18,7 +18,7 @@ from data_pipelines.bpe import train_bpe_tokenizer
 from data_pipelines.synthetic_images import captioned_image
 from vision_tower import ImageProcessor
 from vlm import ConceptMoEVLM, VLMProcessor
-from vlm.training.single_process import TrainSettings, evaluate, train
+from vlm.training.single_process import TrainConfig, evaluate, train
 
 VARIANTS = {
     "global R=2 (paper)": {},
@@ -49,7 +49,11 @@ def main() -> None:
     for name, overrides in VARIANTS.items():
         torch.manual_seed(args.seed)
         model = ConceptMoEVLM.from_preset("tiny", image_token_id=processor.image_token_id, max_patches=64, **overrides)
-        train(model, caption_batches(processor, args.seed), TrainSettings(steps=args.steps))
+        train(
+            model,
+            caption_batches(processor, args.seed),
+            TrainConfig(max_steps=args.steps, save_every=args.steps, seed=args.seed, warmup=20),
+        )
         res = evaluate(model, caption_batches(processor, seed=args.seed + 1000), n_batches=8)
         print(
             f"| {name} | {res['eval_loss']:.3f} | {res['eval_r']:.2f} | {res['eval_r_text']:.2f} "

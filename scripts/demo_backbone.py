@@ -17,7 +17,7 @@ import torch
 from data_pipelines.local_text import ByteTokenizer, load_local_text_corpus, packed_batches
 from vlm import ConceptMoEConfig, ConceptMoEForCausalLM
 from vlm.accounting import flops
-from vlm.training.single_process import TrainSettings, evaluate, train
+from vlm.training.single_process import TrainConfig, evaluate, train
 
 
 def run(name: str, config: ConceptMoEConfig, corpus: dict, args) -> dict:
@@ -38,7 +38,12 @@ def run(name: str, config: ConceptMoEConfig, corpus: dict, args) -> dict:
             )
 
     batches = packed_batches(corpus["train"], tok, args.seq_len, args.batch_size, seed=args.seed)
-    history = train(model, batches, TrainSettings(steps=args.steps, lr=args.lr), on_step=log)
+    history = train(
+        model,
+        batches,
+        TrainConfig(max_steps=args.steps, save_every=args.steps, seed=args.seed, lr=args.lr, warmup=20),
+        on_step=log,
+    )
     held_out = evaluate(model, packed_batches(corpus["eval"], tok, args.seq_len, args.batch_size, seed=0))
     tail = [h for h in history[-min(50, len(history)) :] if not h["skipped"]]
     return {

@@ -5,7 +5,7 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 from vision_tower.stem import STEMS
-from vlm.backbone.config import ConceptMoEConfig, Rule, check_rules, field_rule, rename_legacy_fields
+from vlm.backbone.config import ConceptMoEConfig, Rule, check_rules, field_rule, init_fields, rename_legacy_fields
 from vlm.image_scan import IMAGE_CHUNKING
 
 # Fields renamed since the first release: configs saved under the old name still load (mapped, with a warning).
@@ -159,7 +159,7 @@ class ConceptMoEVLMConfig(PretrainedConfig):
         base = name.removesuffix("-moe")
         if base not in VISION_PRESETS:
             raise ValueError(f"unknown VLM preset {name!r}; allowed values are tiny, small, tiny-moe, small-moe")
-        vlm_fields = set(cls.__init__.__code__.co_varnames) - {"self", "text_config", "kwargs"}
+        vlm_fields = init_fields(cls, skip=("text_config",))
         overrides = rename_legacy_fields(overrides, "ConceptMoEVLMConfig", VLM_RENAMED_FIELDS)
         text_overrides = {k: v for k, v in overrides.items() if k not in vlm_fields}
         vlm_overrides = {k: v for k, v in overrides.items() if k in vlm_fields}

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import yaml
 
+from data_pipelines import run_config
+
 REQUIRED = ("baseline", "seeds", "eval_limit", "data", "eval", "train_base", "arms", "claims")
 # Per-run numbers a claim may compare (eval.study.collect builds them); ``score:TASK:METRIC`` for task scores.
 RUN_METRICS = (
@@ -57,24 +59,6 @@ def deep_merge(base: dict, over: dict) -> dict:
         else:
             out[key] = copy.deepcopy(value)
     return out
-
-
-def apply_set(raw: dict, text: str) -> None:
-    """``--set a.b.c=VALUE`` (VALUE read as YAML) into ``raw``, creating sections on the way."""
-    key, sep, value = text.partition("=")
-    path = key.strip().split(".")
-    if not sep or not all(path):
-        raise StudyConfigError(f"--set {text!r}: expected key.sub=value")
-    try:
-        parsed = yaml.safe_load(value) if value.strip() else None
-    except yaml.YAMLError:
-        raise StudyConfigError(f"--set {key}: value {value!r} is not valid YAML") from None
-    node = raw
-    for part in path[:-1]:
-        if not isinstance(node.setdefault(part, {}), dict):
-            raise StudyConfigError(f"--set {key}: {part!r} is not a section")
-        node = node[part]
-    node[path[-1]] = parsed
 
 
 def _task_metrics(tasks_dir: Path, task: str) -> list[str] | None:
@@ -186,13 +170,9 @@ def load_study_config(path: str, sets: list[str] = (), quick: bool = False, out:
     """The study config: ``path`` read, ``--set`` applied, ``quick`` merged (with ``--quick``), checked; ``out``
     (default: the config's ``out``) fills ``{out}``. The result also holds ``out`` and ``quick``."""
     try:
-        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-    except (OSError, yaml.YAMLError) as err:
-        raise StudyConfigError(f"study config {path!r}: {str(err).splitlines()[0]}") from None
-    if not isinstance(raw, dict):
-        raise StudyConfigError(f"{path}: must be a mapping")
-    for text in sets:
-        apply_set(raw, text)
+        raw = run_config.read_config(path, sets)
+    except run_config.ConfigError as err:
+        raise StudyConfigError(f"study config: {err}") from None
     quick_block = raw.pop("quick", None) or {}
     cfg = deep_merge(raw, quick_block) if quick else raw
     for key in REQUIRED:

@@ -11,8 +11,8 @@ import yaml
 from shard_kit import SMALL_PIXEL_LIMIT, bad_records, cut_inside, good_sample, good_shards, with_image_token, write
 
 from data_pipelines.check import check_shards, main, parse_args, settings
-from data_pipelines.loader import DATA_DEFAULTS
 from data_pipelines.local_text import ByteTokenizer
+from data_pipelines.run_config import DataConfig
 from data_pipelines.schema import SKIP_KINDS, encode_sample
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -49,7 +49,9 @@ def test_cli_json_end_to_end(shards, hf_tokenizer, tmp_path):
 
 
 def test_byte_level_fallback_counts_the_same_samples(shards):
-    stats = check_shards(shards, ByteTokenizer(), seq_len=256, max_image_pixels=SMALL_PIXEL_LIMIT)
+    stats = check_shards(
+        DataConfig(shards=str(shards), seq_len=256), ByteTokenizer(), max_image_pixels=SMALL_PIXEL_LIMIT
+    )
     assert stats["samples"] == 15 and stats["skipped"] == WANT
 
 
@@ -108,16 +110,18 @@ def test_config_gives_shards_and_data_settings(shards, tok_dir, tmp_path, capsys
     good = str(shards / "good-000.tar")
     assert main([good, "--config", split, "--json", "--no-split-documents", *_options(tok_dir)[:2]]) == 0
     assert json.loads(capsys.readouterr().out)["samples"] == 6
-    run = settings(parse_args(["--config", _config(tmp_path, {"shards": "x.tar", "max_patches": 16})]))
-    assert run == {**{k: DATA_DEFAULTS[k] for k in run if k != "shards"}, "max_patches": 16, "shards": "x.tar"}
+    run = settings(parse_args(["--config", _config(tmp_path, {"shards": "x.tar", "max_patches": 16}), "--workers=0"]))
+    assert run == DataConfig(shards=["x.tar"], max_patches=16)
+    # --set overrides the config as training's --set does
+    run = settings(parse_args(["--config", _config(tmp_path, {"shards": "x.tar"}), "--set", "data.seq_len=32"]))
+    assert run.seq_len == 32
 
 
 def test_defaults_are_the_training_defaults():
-    from vlm.training.config import SCHEMA
+    from vlm.training.config import SECTIONS
 
-    training = {name: default for name, (default, _) in SCHEMA["data"].items() if name != "shards"}
-    assert training == DATA_DEFAULTS
-    assert settings(parse_args(["x.tar"]))["seq_len"] == training["seq_len"]  # without --config too
+    assert SECTIONS["data"] is DataConfig  # the run's data section is the checker's settings
+    assert settings(parse_args(["x.tar", "--workers=0"])) == DataConfig(shards=["x.tar"])  # without --config too
 
 
 @pytest.mark.parametrize(
@@ -126,7 +130,8 @@ def test_defaults_are_the_training_defaults():
         (None, "No such file"),
         ("data: [1", "invalid YAML at line 1"),
         ("train: {}", "no 'data' section"),
-        ("data: {shards: x.tar, seq_lenn: 3}", "unknown field 'data.seq_lenn'"),
+        ("data: {shards: x.tar, seq_lenn: 3}", "unknown config field 'data.seq_lenn'"),
+        ("data: {shards: x.tar, seq_len: 1}", "config field 'data.seq_len' must be >= 2"),
     ],
 )
 def test_bad_config_exits_2_with_one_line(tmp_path, capsys, text, message):

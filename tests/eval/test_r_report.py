@@ -269,12 +269,12 @@ def test_reads_what_the_trainer_logs_even_without_images(tmp_path):
     import torch
 
     from vlm import ConceptMoEConfig, ConceptMoEForCausalLM
-    from vlm.training.single_process import TrainSettings, train
+    from vlm.training.single_process import TrainConfig, train
 
     torch.manual_seed(0)
     model = ConceptMoEForCausalLM(ConceptMoEConfig.from_preset("tiny"))
     batches = iter([{"input_ids": (ids := torch.randint(0, 512, (2, 32))), "labels": ids} for _ in range(4)])
-    history = train(model, batches, TrainSettings(steps=4, warmup=1))
+    history = train(model, batches, TrainConfig(max_steps=4, save_every=4, seed=0, warmup=1))
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text("".join(json.dumps(rec) + "\n" for rec in history))

@@ -8,6 +8,7 @@ Everything the paper varies is a field: encoder / concept / decoder depth, exper
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,6 +43,13 @@ CHUNKING_SETTINGS = (
     "balance_loss_weight",
     "moe_z_loss_weight",
 )
+
+
+def init_fields(cls, skip: tuple = ()) -> set[str]:
+    """A config class's fields: the named parameters of ``cls.__init__``, less ``self`` and ``skip`` (the one way
+    fields are discovered: ``ConceptMoEVLMConfig.from_preset`` and the run config's ``model.overrides`` check)."""
+    params = inspect.signature(cls.__init__).parameters.values()
+    return {p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD and p.name not in ("self", *skip)}
 
 
 def rename_legacy_fields(fields: dict, owner: str, renamed: dict[str, str] = RENAMED_FIELDS) -> dict:

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import torch
 
-from data_pipelines.loader import make_dataloader
+from data_pipelines.loader import loader_from_config
 from data_pipelines.tokenizer import load_tokenizer
 from vision_tower import ImageProcessor
 from vlm.backbone.config import rename_legacy_fields
 from vlm.model import ConceptMoEVLM
 from vlm.processor import VLMProcessor
-from vlm.training.config import VLM_CHUNKING, VLM_SWITCHES, ConfigError, first_line
+from vlm.training.config import VLM_CHUNKING, VLM_SWITCHES, ConfigError, DataConfig, first_line
 
 
 def init_from_checkpoint(config: dict, processor: VLMProcessor) -> ConceptMoEVLM:
@@ -104,19 +104,17 @@ def check_data(config: dict, processor: VLMProcessor | None = None) -> None:
         if not data[key]:
             continue
         try:
-            loader = make_dataloader(
-                data[key],
+            loader = loader_from_config(
+                DataConfig(**data),
                 processor.tokenizer,
                 processor.image_processor,
-                seq_len=data["seq_len"],
+                data[key],
                 batch_size=1,
                 num_workers=0,
                 seed=config["train"]["seed"],
                 epochs=1,
                 image_token_id=processor.image_token_id,
                 shuffle=False,
-                split_documents=data["split_documents"],
-                loss_on=data["loss_on"],
             )
         except (OSError, ValueError) as err:
             raise ConfigError(f"data.{key}: {first_line(err)}") from None

@@ -1,95 +1,39 @@
-"""Run configuration: one YAML file, ``--set key.sub=value`` overrides (values parsed as YAML), defaults and
-validation. Every fault fails at start with a one-line ``ConfigError`` naming the field: an unknown or wrong-typed
-field, a number out of range (``RANGES``), a model override the model config does not take, malformed YAML;
-``check_paths`` then checks that the paths it names exist (``build.check_data``: that the shards hold a sample)."""
+"""Run configuration: one YAML file with sections ``model``, ``data``, ``train``, ``--set key.sub=value`` overrides
+(values parsed as YAML), defaults and validation. Each section is a dataclass whose fields state their default,
+types, range and allowed values once (``data_pipelines.run_config.setting``): ``ModelSection``, ``DataConfig``
+(owned by ``data_pipelines``), ``TrainConfig``. Every fault fails at start with a one-line ``ConfigError`` naming
+the field: an unknown or wrong-typed field, a number out of range, a model override the model config does not take,
+malformed YAML; ``check_paths`` then checks that the paths it names exist (``build.check_data``: that the shards hold
+a sample). ``load_config`` returns the sections as plain dicts (what ``save_config`` writes and a run folder's
+``config.yaml`` holds); ``TrainConfig(**config["train"])`` / ``DataConfig(**config["data"])`` give them typed."""
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import difflib
-import inspect
-import math
 import os
 from collections.abc import Callable
 
 import yaml
 
-from data_pipelines.loader import DATA_DEFAULTS
-from data_pipelines.packing import LOSS_ON
+from data_pipelines.run_config import (
+    REQUIRED,
+    ConfigError,
+    DataConfig,
+    above,
+    at_least,
+    first_line,
+    read_config,
+    resolve_section,
+    setting,
+    within,
+)
 from data_pipelines.tar_reader import expand_shards
-from vlm.backbone.config import CHUNKING_SETTINGS, RENAMED_FIELDS, ConceptMoEConfig
+from vlm.backbone.config import CHUNKING_SETTINGS, RENAMED_FIELDS, ConceptMoEConfig, init_fields
 from vlm.backbone.presets import PRESETS
 from vlm.config import VISION_PRESETS, VLM_RENAMED_FIELDS, ConceptMoEVLMConfig
 
-# field -> (default, allowed types); ``None`` default with ``required`` means the user must set it.
-REQUIRED = object()
-SCHEMA: dict[str, dict[str, tuple]] = {
-    "model": {
-        "preset": ("tiny", (str,)),
-        "overrides": ({}, (dict,)),
-        "init_from": (None, (str, type(None))),  # a local checkpoint: a ConceptMoEVLM, or a text ConceptMoE (CT)
-    },
-    "data": {
-        "shards": (REQUIRED, (list, str)),
-        # defaults: data_pipelines.loader.DATA_DEFAULTS (python -m data_pipelines.check --config reads them too)
-        "eval_shards": (DATA_DEFAULTS["eval_shards"], (list, str, type(None))),
-        "tokenizer": (DATA_DEFAULTS["tokenizer"], (str, type(None))),
-        "seq_len": (DATA_DEFAULTS["seq_len"], (int,)),
-        "batch_size": (DATA_DEFAULTS["batch_size"], (int,)),
-        "num_workers": (DATA_DEFAULTS["num_workers"], (int,)),
-        "max_patches": (DATA_DEFAULTS["max_patches"], (int,)),
-        "split_documents": (DATA_DEFAULTS["split_documents"], (bool,)),
-        "loss_on": (DATA_DEFAULTS["loss_on"], (str,)),  # one of data_pipelines.packing.LOSS_ON
-    },
-    "train": {
-        "max_steps": (REQUIRED, (int,)),
-        "save_every": (REQUIRED, (int,)),
-        "eval_every": (0, (int,)),
-        "eval_batches": (4, (int,)),
-        "seed": (REQUIRED, (int,)),
-        "grad_accum": (1, (int,)),
-        "lr": (3e-3, (float, int)),
-        "min_lr_ratio": (0.1, (float, int)),
-        "weight_decay": (0.01, (float, int)),
-        "warmup": (10, (int,)),
-        "grad_clip": (1.0, (float, int)),
-        "router_lr_scale": (0.1, (float, int)),  # the boundary router's lr / lr (vlm.training.step.optimizer_groups)
-        "keep_last": (2, (int,)),
-        "log_every": (1, (int,)),
-        "max_nonfinite": (5, (int,)),
-        "export": (True, (bool,)),
-    },
-}
-POSITIVE = {
-    "data.batch_size",
-    "data.max_patches",
-    "train.max_steps",
-    "train.save_every",
-    "train.grad_accum",
-    "train.keep_last",
-    "train.log_every",
-    "train.max_nonfinite",
-    "train.eval_batches",
-}
-_AT_LEAST_1 = (lambda v: v >= 1, "must be >= 1")
-_NOT_NEGATIVE = (lambda v: v >= 0, "must be >= 0")
-_ABOVE_0 = (lambda v: v > 0, "must be > 0")
-# numeric field -> (predicate, what it must be); every float must also be finite (``_check_value``).
-RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
-    **dict.fromkeys(sorted(POSITIVE), _AT_LEAST_1),
-    "data.seq_len": (lambda v: v >= 2, "must be >= 2"),  # a row predicts its tokens from the ones before
-    "data.num_workers": _NOT_NEGATIVE,
-    "train.eval_every": _NOT_NEGATIVE,  # 0: no evaluation
-    "train.seed": _NOT_NEGATIVE,
-    "train.warmup": _NOT_NEGATIVE,
-    "train.lr": _ABOVE_0,
-    "train.weight_decay": _NOT_NEGATIVE,
-    "train.grad_clip": _ABOVE_0,
-    "train.router_lr_scale": _ABOVE_0,
-    "train.min_lr_ratio": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
-}
-CHOICES = {"data.loss_on": LOSS_ON}
-SHARD_FIELDS = ("data.shards", "data.eval_shards")
+__all__ = ["ConfigError", "DataConfig", "ModelSection", "TrainConfig", "check_paths", "load_config", "save_config"]
 
 # The presets ``ConceptMoEVLM.from_preset`` builds: the backbone's whose base has a vision tower.
 VLM_PRESETS = tuple(name for name in PRESETS if name.removesuffix("-moe") in VISION_PRESETS)
@@ -112,128 +56,59 @@ SET_BY_RUN = {
 LEGACY_NAMES = {**RENAMED_FIELDS, **VLM_RENAMED_FIELDS}
 
 
-class ConfigError(ValueError):
-    """A bad config field; the message is one line naming the field."""
+@dataclasses.dataclass(kw_only=True)
+class ModelSection:
+    """The ``model`` section: which VLM to build (``build.build_model``)."""
+
+    preset: str = setting("tiny", (str,), choices=VLM_PRESETS)
+    overrides: dict = setting({}, (dict,), doc="model config fields (check_model)")
+    init_from: str | None = setting(None, (str, type(None)), doc="a ConceptMoEVLM, or a text ConceptMoE (CT)")
 
 
-def first_line(err: BaseException) -> str:
-    """The first line of an error's message (its type when the message is empty): one-line errors."""
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
+@dataclasses.dataclass(kw_only=True)
+class TrainConfig:
+    """The ``train`` section, and what ``vlm.training.step`` / ``single_process.train`` read of it."""
+
+    max_steps: int = setting(REQUIRED, (int,), at_least(1))
+    save_every: int = setting(REQUIRED, (int,), at_least(1))
+    eval_every: int = setting(0, (int,), at_least(0), doc="0: no evaluation")
+    eval_batches: int = setting(4, (int,), at_least(1))
+    seed: int = setting(REQUIRED, (int,), at_least(0))
+    grad_accum: int = setting(1, (int,), at_least(1))
+    lr: float = setting(3e-3, (float, int), above(0))
+    min_lr_ratio: float = setting(0.1, (float, int), within(0, 1))
+    weight_decay: float = setting(0.01, (float, int), at_least(0))
+    warmup: int = setting(10, (int,), at_least(0))
+    grad_clip: float = setting(1.0, (float, int), above(0))
+    router_lr_scale: float = setting(0.1, (float, int), above(0), doc="the router's lr / lr (step.optimizer_groups)")
+    keep_last: int = setting(2, (int,), at_least(1))
+    log_every: int = setting(1, (int,), at_least(1))
+    max_nonfinite: int = setting(5, (int,), at_least(1), doc="non-finite optimiser steps in a row before stopping")
+    export: bool = setting(True, (bool,))
 
 
-def _yaml_problem(err: yaml.YAMLError) -> str:
-    """``line L, column C: problem`` of a YAML parse error, on one line."""
-    mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None) or first_line(err)
-    return problem if mark is None else f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
-
-
-def parse_override(text: str) -> tuple[list[str], object]:
-    """``"train.lr=1e-3"`` -> (["train", "lr"], 0.001); the value is read as YAML."""
-    key, sep, value = text.partition("=")
-    path = key.strip().split(".")
-    if not sep or not all(path):
-        raise ConfigError(f"--set {text!r}: expected key.sub=value")
-    try:
-        return path, yaml.safe_load(value) if value.strip() else None
-    except yaml.YAMLError as err:
-        raise ConfigError(f"--set {key.strip()}: value {value!r} is not valid YAML ({_yaml_problem(err)})") from None
-
-
-def apply_override(raw: dict, path: list[str], value) -> None:
-    node = raw
-    for part in path[:-1]:
-        if node.get(part) is None:
-            node[part] = {}
-        node = node[part]
-        if not isinstance(node, dict):
-            raise ConfigError(f"--set {'.'.join(path)}: {part!r} is not a section")
-    node[path[-1]] = value
-
-
-def _type_ok(value, types: tuple) -> bool:
-    if isinstance(value, bool) and bool not in types:
-        return False
-    return isinstance(value, types)
-
-
-def _as_float(value):
-    """YAML 1.1 reads ``1e-3`` (no dot) as a string; accept it for float fields."""
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return value
-    return value
-
-
-def _check_value(key: str, value) -> None:
-    """A typed value against ``RANGES`` / ``CHOICES`` (every float finite; shard fields: paths)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"config field '{key}' must be a finite number, got {value!r}")
-    if key in RANGES and not RANGES[key][0](value):
-        raise ConfigError(f"config field '{key}' {RANGES[key][1]}, got {value!r}")
-    if key in CHOICES and value not in CHOICES[key]:
-        raise ConfigError(f"config field '{key}' must be one of {', '.join(CHOICES[key])}, got {value!r}")
-    if key in SHARD_FIELDS and isinstance(value, list) and not all(isinstance(p, str) and p for p in value):
-        raise ConfigError(f"config field '{key}' must be a path (pattern) or a list of them, got {value!r}")
-    if key == "data.shards" and value == []:
-        raise ConfigError("config field 'data.shards' must name at least one shard, got []")
-
-
-def _resolve_field(key: str, given: dict, name: str, default, types: tuple):
-    """One field's value: the default when not given, else the given value checked for type and range."""
-    if name not in given:
-        if default is REQUIRED:
-            raise ConfigError(f"missing required config field '{key}'")
-        return copy.deepcopy(default)
-    value = _as_float(given[name]) if float in types else given[name]
-    if not _type_ok(value, types):
-        allowed = " or ".join(t.__name__ for t in types)
-        raise ConfigError(f"config field '{key}' must be {allowed}, got {type(value).__name__} {value!r}")
-    _check_value(key, value)
-    return value
+SECTIONS = {"model": ModelSection, "data": DataConfig, "train": TrainConfig}
 
 
 def resolve(raw: dict) -> dict:
-    """Defaults filled in and every field checked (the model's fields too: ``check_model``); returns a new dict."""
+    """Defaults filled in and every field checked (the model's fields too: ``check_model``); returns a new dict of
+    sections, each the ``asdict`` of its dataclass."""
     if not isinstance(raw, dict):
         raise ConfigError("config must be a mapping with sections model, data, train")
-    unknown = set(raw) - set(SCHEMA)
+    unknown = sorted(set(raw) - set(SECTIONS), key=str)
     if unknown:
-        raise ConfigError(f"unknown config section {sorted(unknown)[0]!r}; allowed: {', '.join(SCHEMA)}")
-    out = {}
-    for section, fields in SCHEMA.items():
-        given = raw.get(section) or {}
-        if not isinstance(given, dict):
-            raise ConfigError(f"config section {section!r} must be a mapping")
-        extra = set(given) - set(fields)
-        if extra:
-            name = sorted(extra)[0]
-            raise ConfigError(f"unknown config field '{section}.{name}'; allowed: {', '.join(fields)}")
-        out[section] = {
-            name: _resolve_field(f"{section}.{name}", given, name, default, types)
-            for name, (default, types) in fields.items()
-        }
-    for key in ("shards", "eval_shards"):
-        if isinstance(out["data"][key], str):
-            out["data"][key] = [out["data"][key]]
+        raise ConfigError(f"unknown config section {unknown[0]!r}; allowed: {', '.join(SECTIONS)}")
+    out = {name: dataclasses.asdict(resolve_section(cls, name, raw.get(name))) for name, cls in SECTIONS.items()}
     check_model(out["model"], out["data"]["max_patches"])
     return out
 
 
 # ----------------------------------------------------------------------------- model.preset / model.overrides
-def _init_fields(cls, skip: tuple = ()) -> set[str]:
-    """The named parameters of ``cls.__init__`` (its fields), less ``self`` and ``skip``."""
-    params = inspect.signature(cls.__init__).parameters.values()
-    return {p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD and p.name not in ("self", *skip)}
-
-
 def model_fields() -> set[str]:
     """What ``ConceptMoEVLM.from_preset(preset, **overrides)`` takes: the VLM config's fields, its text config's
     (``from_preset`` routes those to ``text_config``) and their old names."""
-    vlm = _init_fields(ConceptMoEVLMConfig, skip=("text_config",))
-    return vlm | _init_fields(ConceptMoEConfig) | set(LEGACY_NAMES)
+    vlm = init_fields(ConceptMoEVLMConfig, skip=("text_config",))
+    return vlm | init_fields(ConceptMoEConfig) | set(LEGACY_NAMES)
 
 
 def _check_override_name(name, init_from: str | None, fields: set[str]) -> None:
@@ -255,8 +130,6 @@ def check_model(model: dict, max_patches: int) -> None:
     """``model.preset`` is a VLM preset and ``model.overrides`` holds model fields only; without ``init_from`` the
     model config is built (not the model: cheap) so that its own rules (``RULES``, ``VLM_RULES``) check the values.
     On a checkpoint the values are checked against its config when it loads (``build.init_from_checkpoint``)."""
-    if model["preset"] not in VLM_PRESETS:
-        raise ConfigError(f"unknown model.preset {model['preset']!r}; allowed: {', '.join(VLM_PRESETS)}")
     fields = model_fields()
     for name in model["overrides"]:
         _check_override_name(name, model["init_from"], fields)
@@ -271,27 +144,10 @@ def check_model(model: dict, max_patches: int) -> None:
 
 
 # ----------------------------------------------------------------------------- reading, writing
-def _read_yaml(path: str):
-    """The YAML document in ``path``; a missing / unreadable file or malformed YAML is a one-line ConfigError."""
-    try:
-        with open(path) as f:
-            return yaml.safe_load(f)
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"config file {path!r}: {getattr(err, 'strerror', None) or first_line(err)}") from None
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: invalid YAML at {_yaml_problem(err)}") from None
-
-
 def load_config(path: str | None, overrides: list[str] = ()) -> dict:
-    """Read ``path`` (YAML), apply ``--set`` overrides in order, resolve defaults, validate."""
-    raw = {}
-    if path is not None:
-        raw = _read_yaml(path) or {}
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: config must be a mapping with sections model, data, train")
-    for text in overrides:
-        apply_override(raw, *parse_override(text))
-    return resolve(raw)
+    """Read ``path`` (YAML; a run folder's saved ``config.yaml`` too), apply ``--set`` overrides in order, resolve
+    defaults, validate."""
+    return resolve(read_config(path, overrides))
 
 
 def save_config(config: dict, path: str) -> None:

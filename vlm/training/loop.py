@@ -14,10 +14,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from data_pipelines.loader import make_dataloader
+from data_pipelines.loader import loader_from_config
 from vlm.training import checkpoint
 from vlm.training.build import build_model
 from vlm.training.checkpoint import CheckpointError
+from vlm.training.config import DataConfig, TrainConfig
 from vlm.training.distributed import init_distributed
 from vlm.training.ds_config import DS_CONFIG_FILE, deepspeed_config, schedule_owner
 from vlm.training.export import export_checkpoint
@@ -28,7 +29,6 @@ from vlm.training.resume import Found, find_checkpoint, set_aside_newer, truncat
 from vlm.training.step import (
     NonFiniteGuard,
     NonFiniteLossError,
-    TrainSettings,
     evaluate,
     lr_at,
     next_batches,
@@ -42,21 +42,17 @@ log = logging.getLogger(__name__)
 
 
 def make_loader(config: dict, processor, shards: list[str], rank: int, world_size: int, shuffle: bool = True):
-    data = config["data"]
-    return make_dataloader(
-        shards,
+    """The run's loader over ``shards`` (its data settings, seeded by ``train.seed``) for this rank."""
+    return loader_from_config(
+        DataConfig(**config["data"]),
         processor.tokenizer,
         processor.image_processor,
-        seq_len=data["seq_len"],
-        batch_size=data["batch_size"],
+        shards,
         rank=rank,
         world_size=world_size,
-        num_workers=data["num_workers"],
         seed=config["train"]["seed"],
         image_token_id=processor.image_token_id,
         shuffle=shuffle,
-        split_documents=data["split_documents"],
-        loss_on=data["loss_on"],
     )
 
 
@@ -163,9 +159,7 @@ class _Session:
         """Steps to ``train.max_steps``, saving every ``save_every``, at the end and on a non-finite loss stop;
         ``own_schedule``: our warmup + cosine sets the lr (else the DeepSpeed JSON's scheduler). The last record."""
         train, engine = self.config["train"], self.engine
-        settings = TrainSettings(
-            steps=train["max_steps"], lr=train["lr"], warmup=train["warmup"], min_lr_ratio=train["min_lr_ratio"]
-        )
+        settings = TrainConfig(**train)
         monitor = engine.monitor if engine.monitor.enabled else None
         writer = MetricsWriter(
             self.run_dir,

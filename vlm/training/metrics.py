@@ -13,6 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from data_pipelines.run_config import default_of
+from vlm.training.config import TrainConfig
+
 log = logging.getLogger(__name__)
 
 LOSS_KEYS = ("loss", "lm_loss", "ratio_loss", "balance_loss", "z_loss")
@@ -84,7 +87,13 @@ class MetricsWriter:
     """Rank 0 only (``enabled``): appends to ``RUN_DIR/metrics.jsonl``, TensorBoard scalars, a progress line."""
 
     def __init__(
-        self, run_dir: str, enabled: bool, total_steps: int, start_step: int = 0, log_every: int = 1, monitor=None
+        self,
+        run_dir: str,
+        enabled: bool,
+        total_steps: int,
+        start_step: int = 0,
+        log_every: int = default_of(TrainConfig, "log_every"),
+        monitor=None,
     ):
         self.enabled, self.total_steps, self.start_step = enabled, total_steps, start_step
         self.monitor = monitor  # DeepSpeed's MonitorMaster: the JSON's tensorboard / csv_monitor / wandb blocks

@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 
 import torch
 
+from data_pipelines.run_config import default_of
+from vlm.training.config import TrainConfig
 from vlm.training.metrics import step_record
-from vlm.training.step import NonFiniteGuard, TrainSettings, evaluate, lr_at, optimizer_groups, set_lr, train_step
+from vlm.training.step import NonFiniteGuard, evaluate, lr_at, optimizer_groups, set_lr, train_step
 
-__all__ = ["LocalEngine", "TrainSettings", "evaluate", "train"]
+__all__ = ["LocalEngine", "TrainConfig", "evaluate", "train"]
+_default = partial(default_of, TrainConfig)
 
 
 class LocalEngine:
@@ -30,11 +34,11 @@ class LocalEngine:
         self,
         model: torch.nn.Module,
         lr: float,
-        weight_decay: float = 0.01,
-        grad_clip: float = 1.0,
-        grad_accum: int = 1,
+        weight_decay: float = _default("weight_decay"),
+        grad_clip: float = _default("grad_clip"),
+        grad_accum: int = _default("grad_accum"),
         betas: tuple[float, float] = (0.9, 0.95),
-        router_lr_scale: float = 1.0,
+        router_lr_scale: float = _default("router_lr_scale"),
     ):
         self.module, self.grad_clip, self.grad_accum = model, grad_clip, grad_accum
         groups = optimizer_groups(model, router_lr_scale)
@@ -71,10 +75,11 @@ class LocalEngine:
 
 
 def train(
-    model, batches: Iterator[dict], settings: TrainSettings, on_step: Callable[[dict], None] | None = None
+    model, batches: Iterator[dict], settings: TrainConfig, on_step: Callable[[dict], None] | None = None
 ) -> list[dict]:
-    """Train ``model`` on ``batches`` (dicts of model inputs incl. labels), one batch per optimiser step; returns
-    one record per step (see the module docstring). Raises ``NonFiniteLossError`` after
+    """Train ``model`` on ``batches`` (dicts of model inputs incl. labels), one batch per optimiser step, for
+    ``settings.max_steps`` steps (its checkpoint, eval and data fields are the DeepSpeed loop's: unused here);
+    returns one record per step (see the module docstring). Raises ``NonFiniteLossError`` after
     ``settings.max_nonfinite`` non-finite steps in a row."""
     engine = LocalEngine(
         model, settings.lr, settings.weight_decay, settings.grad_clip, router_lr_scale=settings.router_lr_scale
@@ -83,7 +88,7 @@ def train(
     target_r = getattr(model.config, "text_config", model.config).effective_r
     engine.train()
     history = []
-    for step in range(settings.steps):
+    for step in range(settings.max_steps):
         lr = set_lr(engine.optimizer, lr_at(step, settings))
         batch = next(batches)
         start = time.perf_counter()

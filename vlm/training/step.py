@@ -13,33 +13,21 @@ import itertools
 import logging
 import math
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from vlm.training.config import TrainConfig
 from vlm.training.metrics import StepStats
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class TrainSettings:
-    steps: int = 300
-    lr: float = 3e-3
-    warmup: int = 20
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    max_nonfinite: int = 5  # optimiser steps in a row with a non-finite loss before training stops
-    router_lr_scale: float = 0.1  # the boundary router's lr relative to ``lr`` (``optimizer_groups``)
-
-
-def lr_at(step: int, s: TrainSettings) -> float:
-    """Linear warmup to ``lr`` over ``warmup`` steps, then cosine decay to ``min_lr_ratio * lr``."""
+def lr_at(step: int, s: TrainConfig) -> float:
+    """Linear warmup to ``lr`` over ``warmup`` steps, then cosine decay to ``min_lr_ratio * lr`` at ``max_steps``."""
     if step < s.warmup:
         return s.lr * (step + 1) / s.warmup
-    progress = (step - s.warmup) / max(1, s.steps - s.warmup)
+    progress = (step - s.warmup) / max(1, s.max_steps - s.warmup)
     return s.lr * (s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 

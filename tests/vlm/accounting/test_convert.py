@@ -318,7 +318,7 @@ def _train_hf(model, batches, steps: int, lr: float) -> None:
 
 def test_continual_training_starts_near_the_source_loss_and_reaches_target_r():
     from data_pipelines.local_text import ByteTokenizer, load_local_text_corpus, packed_batches
-    from vlm.training.single_process import TrainSettings, evaluate, train
+    from vlm.training.single_process import TrainConfig, evaluate, train
 
     torch.manual_seed(0)
     corpus, tok = load_local_text_corpus(max_docs=2000), ByteTokenizer()
@@ -337,7 +337,9 @@ def test_continual_training_starts_near_the_source_loss_and_reaches_target_r():
 
     model = convert(source, target_r=1.5, encoder_layers=1, decoder_layers=1, ratio_loss_weight=0.3).model
     start = evaluate(model, (b for _, b in held_out), n_batches=4)
-    history = train(model, batches("train", 1), TrainSettings(steps=CT_STEPS, lr=1e-3, warmup=5))
+    history = train(
+        model, batches("train", 1), TrainConfig(max_steps=CT_STEPS, save_every=CT_STEPS, seed=0, lr=1e-3, warmup=5)
+    )
     end = evaluate(model, (b for _, b in held_out), n_batches=4)
     print(
         f"source {source_loss:.3f}  CT start {start['eval_loss']:.3f} (R {start['eval_r']:.2f})  "

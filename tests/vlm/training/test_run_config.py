@@ -6,10 +6,13 @@ from pathlib import Path
 
 import pytest
 import webdataset as wds
+import yaml
 
+from data_pipelines.run_config import read_config
 from data_pipelines.schema import Sample, Segment, encode_sample
 from vlm.training.build import check_data
-from vlm.training.config import ConfigError, check_paths, load_config
+from vlm.training.config import ConfigError, DataConfig, TrainConfig, check_paths, load_config, resolve, save_config
+from vlm.training.step import lr_at
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY = str(ROOT / "scripts" / "configs" / "tiny.yaml")
@@ -194,3 +197,55 @@ def test_checkpoint_overrides_reach_the_vlm_chunking_and_switches(tmp_path):
     assert loaded.config.freeze_vision and not any(p.requires_grad for p in loaded.vision_tower.parameters())
     with pytest.raises(ConfigError, match="model.overrides: .*router2d .* needs text_config.chunking='dynamic'"):
         build_model(load_config(TINY, [ckpt, "model.overrides={image_chunking: router2d, chunking: fixed}"]))
+
+
+# ----------------------------------------------------------------------------- one typed run config
+def test_every_shipped_run_yaml_loads_and_study_yamls_load_as_studies():
+    from eval.study.config import deep_merge, load_study_config
+
+    runs = studies = 0
+    for path in sorted((ROOT / "scripts" / "configs").glob("*.yaml")):
+        raw = yaml.safe_load(path.read_text())
+        if set(raw) <= {"model", "data", "train"}:  # a run config (train_vlm.py --config)
+            config = load_config(str(path), [] if "shards" in (raw.get("data") or {}) else ["data.shards=[x.tar]"])
+            assert TrainConfig(**config["train"]).max_steps >= 1 and DataConfig(**config["data"]).shards, path
+            runs += 1
+        else:  # a study config (scripts/study.py --config), its train_base a run config less shards and seed
+            base = load_study_config(str(path), out=str(ROOT / "runs" / "unused"))["train_base"]
+            assert resolve(deep_merge(base, {"data": {"shards": ["x.tar"]}, "train": {"seed": 0}}))["train"], path
+            studies += 1
+    assert runs >= 5 and studies >= 1
+
+
+def test_config_saved_by_an_older_run_loads(tmp_path):
+    """A run folder's config.yaml written before the typed sections (model / data / train, every field spelled out,
+    the defaults of the time) loads, and a reload of a saved config is the same config."""
+    old = {
+        "model": {"preset": "tiny", "overrides": {"target_r": 2.0}, "init_from": None},
+        "data": {"shards": ["data/tiny/train-*.tar"], "eval_shards": None, "tokenizer": None, "seq_len": 256}
+        | {"batch_size": 2, "num_workers": 0, "max_patches": 64, "split_documents": False, "loss_on": "auto"},
+        "train": {"max_steps": 40, "save_every": 20, "eval_every": 0, "eval_batches": 4, "seed": 0, "grad_accum": 1}
+        | {"lr": 0.003, "min_lr_ratio": 0.1, "weight_decay": 0.01, "warmup": 10, "grad_clip": 1.0}
+        | {"router_lr_scale": 0.1, "keep_last": 2, "log_every": 1, "max_nonfinite": 5, "export": True},
+    }
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+    config = load_config(str(tmp_path / "config.yaml"))
+    assert config == old
+    save_config(config, str(tmp_path / "again.yaml"))
+    assert load_config(str(tmp_path / "again.yaml")) == config
+
+
+def test_set_keeps_its_spelling_everywhere(tmp_path):
+    """``--set key.sub=value`` (value read as YAML) means the same to training, the checker and the study runner."""
+    sets = ["train.lr=1e-3", "data.shards=[a.tar, b.tar]", "model.overrides.target_r=1.5", "data.eval_shards=null"]
+    config = load_config(TINY, sets)
+    assert config["train"]["lr"] == 1e-3 and config["data"]["shards"] == ["a.tar", "b.tar"]
+    assert config["model"]["overrides"]["target_r"] == 1.5 and config["data"]["eval_shards"] is None
+    assert read_config(TINY, sets)["model"]["overrides"]["target_r"] == 1.5  # the reader the checker and study use
+    assert config_error("train.lr") == "--set 'train.lr': expected key.sub=value"
+
+
+def test_lr_schedule_reads_the_train_section():
+    train = TrainConfig(**load_config(TINY, ["train.max_steps=100", "train.warmup=10", "train.lr=1.0"])["train"])
+    assert lr_at(4, train) == pytest.approx(0.5) and lr_at(10, train) == pytest.approx(1.0)
+    assert lr_at(100, train) == pytest.approx(train.min_lr_ratio)

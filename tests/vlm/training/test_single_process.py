@@ -5,7 +5,7 @@ import torch
 
 from data_pipelines.local_text import ByteTokenizer, load_local_text_corpus, packed_batches
 from vlm import ConceptMoEConfig, ConceptMoEForCausalLM
-from vlm.training.single_process import LocalEngine, TrainSettings, evaluate, train
+from vlm.training.single_process import LocalEngine, TrainConfig, evaluate, train
 from vlm.training.step import set_lr
 
 
@@ -15,7 +15,11 @@ def test_tiny_training_loss_falls_and_r_reaches_target():
     config = ConceptMoEConfig.from_preset("tiny", vocab_size=tok.vocab_size)
     assert config.target_r == 2.0 and config.ratio_loss_weight == 0.3
     model = ConceptMoEForCausalLM(config)
-    history = train(model, packed_batches(corpus["train"], tok, 256, 8, seed=0), TrainSettings(steps=200))
+    history = train(
+        model,
+        packed_batches(corpus["train"], tok, 256, 8, seed=0),
+        TrainConfig(max_steps=200, save_every=200, seed=0, warmup=20),
+    )
 
     first = sum(h["lm_loss"] for h in history[:10]) / 10
     last = sum(h["lm_loss"] for h in history[-20:]) / 20
