@@ -38,3 +38,12 @@ def test_fmt_skip_is_rare():
             if "# fmt: skip" in line:
                 hits.append(f"{name}:{number}")
     assert len(hits) <= MAX_FMT_SKIPS, f"{len(hits)} '# fmt: skip' (at most {MAX_FMT_SKIPS}):\n" + "\n".join(hits)
+
+
+def test_test_files_have_unique_names():
+    """tests/ has no __init__.py, so pytest imports each test file by its bare name: two files of one name in
+    different folders stop the whole suite at collection ("import file mismatch")."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted(Path(__file__).resolve().parent.rglob("test_*.py")):
+        seen.setdefault(path.name, []).append(str(path))
+    assert not {name: paths for name, paths in seen.items() if len(paths) > 1}
