@@ -75,6 +75,9 @@ def main(argv=None) -> int:
         help="needle type: haystack units LOW-HIGH (default 1-3)",
     )
     parser.add_argument("--needle-modalities", default="text", help="needle type: text, image or text,image")
+    parser.add_argument(
+        "--turns", default=defaults.turns, help="training: 'one' question per conversation, or 'all' of a scene's"
+    )
     parser.add_argument("--out", type=Path, help="append the JSON lines to this file")
     args = parser.parse_args(argv)
     overrides = {}
@@ -96,6 +99,7 @@ def main(argv=None) -> int:
         stages=stages,
         **{k: getattr(args, k) for k in ("steps", "rows", "seq_len", "warmup", "max_patches", "lr", "seed")},
         caption_share=args.caption_share,
+        turns=args.turns,
         needle_units=args.needle_units,
         needle_modalities=tuple(m.strip() for m in args.needle_modalities.split(",") if m.strip()),
         **{k: getattr(args, k) for k in ("eval_every", "eval_n", "eval_objects", "eval_size")},

@@ -34,10 +34,11 @@ __all__ = ["GENERATORS", "SPLITS", "generate", "interleave", "kind_options"]
 
 
 def kind_options(kind: str) -> tuple[str, ...]:
-    """The options ``kind``'s generator takes (a conversation kind: its base kind's)."""
+    """The options ``kind``'s generator takes (a conversation kind: its base kind's, and ``turns``)."""
     base = conversations.KINDS[kind][0] if kind in conversations.KINDS else GENERATORS[kind]
     params = inspect.signature(base).parameters.values()
-    return tuple(p.name for p in params if p.default is not inspect.Parameter.empty and p.name != "split")
+    own = ("turns",) if kind in conversations.KINDS else ()  # how a conversation kind groups its items
+    return tuple(p.name for p in params if p.default is not inspect.Parameter.empty and p.name != "split") + own
 
 
 def generate(kind: str, n: int, seed: int, split: str = "train", **options) -> Iterator[Sample]:

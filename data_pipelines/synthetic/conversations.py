@@ -18,7 +18,11 @@ Sample ``j`` of ``generate(n, seed, split)`` is the ``j``-th conversation of the
 ``<base>.generate(..., seed, split)``, so it depends only on (kind, seed, split, j) and the first ``k`` of
 ``generate(n)`` are ``generate(k)``; train and eval are the base generators' splits, as disjoint as they are.
 Keys: ``<kind>-<split>-s<seed>-<base index>-<k>`` (``k``: the conversation's place among its base sample's).
-Options (``min_pages``, ``max_units``, ...) go to the base generator.
+Options (``min_pages``, ``max_units``, ...) go to the base generator, except ``turns``: ``"one"`` (the default)
+makes one conversation per item as above; ``"all"`` makes one multi-turn conversation per base sample, every item
+asked in turn in a seeded order, the images in the first user turn only (as LLaVA's instruction data asks several
+questions about one image): one image encoding for several answers. Its key ends in ``-all``, its ``meta`` holds
+``type`` ``"multi"`` and ``types`` (each turn's), and its ``qa`` every item asked, in the order asked.
 """
 
 from __future__ import annotations
@@ -77,8 +81,11 @@ KINDS: dict[str, tuple[Callable[..., Iterator[Sample]], Callable[..., list[Item]
 }
 
 
+TURNS = ("one", "all")  # the ``turns`` option: one conversation per item, or all items in one conversation
+
+
 def conversations(kind: str, base: Sample, seed: int, split: str, index: int) -> list[Sample]:
-    """Every conversation ``kind`` makes of the base sample ``index`` of (seed, split)."""
+    """Every conversation ``kind`` makes of the base sample ``index`` of (seed, split), one per item."""
     _, items = KINDS[kind]
     images = [seg for seg in base.segments if seg.image is not None]
     out = []
@@ -90,9 +97,27 @@ def conversations(kind: str, base: Sample, seed: int, split: str, index: int) ->
     return out
 
 
-def generate(kind: str, n: int, seed: int, split: str = "train", **options) -> Iterator[Sample]:
-    """The first ``n`` conversations of ``kind``."""
+def multi_turn(kind: str, base: Sample, seed: int, split: str, index: int) -> list[Sample]:
+    """The items of base sample ``index`` as one conversation (``turns="all"``), or none when it has no item."""
+    singles = conversations(kind, base, seed, split, index)
+    if not singles:
+        return []
+    sample_rng(f"{kind}-turns", seed, split, index).shuffle(singles)
+    turns = list(singles[0].turns)
+    for single in singles[1:]:  # later questions without the images: the text of their user turn, marker removed
+        text = "".join(seg.text for seg in single.turns[0].segments if seg.image is None).lstrip("\n")
+        turns += [Turn("user", [Segment(text=text)]), single.turns[1]]
+    meta = {**singles[0].meta, "type": "multi", "types": [c.meta["type"] for c in singles]}
+    key = f"{sample_key(kind, seed, split, index)}-all"
+    return [Sample(key=key, segments=[], meta=meta, qa=[c.qa[0] for c in singles], turns=turns)]
+
+
+def generate(kind: str, n: int, seed: int, split: str = "train", turns: str = "one", **options) -> Iterator[Sample]:
+    """The first ``n`` conversations of ``kind`` (``turns``: see the module docstring)."""
     check_split(split)
+    if turns not in TURNS:
+        raise ValueError(f"turns must be one of {TURNS}, got {turns!r}")
+    build = conversations if turns == "one" else multi_turn
     base_generate, _ = KINDS[kind]
     if n <= 0:
         return
@@ -101,7 +126,7 @@ def generate(kind: str, n: int, seed: int, split: str = "train", **options) -> I
     # suffice; with a filter the (lazy) base stream runs until n are made.
     count = n if options.get("types") is None else sys.maxsize
     for index, base in enumerate(base_generate(count, seed, split, **options)):
-        for sample in conversations(kind, base, seed, split, index):
+        for sample in build(kind, base, seed, split, index):
             yield sample
             made += 1
             if made == n:

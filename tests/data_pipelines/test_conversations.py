@@ -110,3 +110,33 @@ def test_make_shards_writes_the_chat_kinds(tmp_path):
         samples = [decode_sample(raw) for raw in members.values()]
         assert sorted(s.meta["kind"] for s in samples) == sorted(CHAT_KINDS * n)
         assert all(s.is_conversation and f"-{split}-" in s.key for s in samples)
+
+
+def test_turns_all_asks_every_question_of_a_scene_in_one_conversation():
+    """``turns="all"``: one conversation per scene, its questions those of the one-per-item conversations (same
+    answers), the image in the first user turn only, every answer a loss target; seeded and deterministic."""
+    from data_pipelines.packing import TokenEncoder, encode_sample_tokens
+    from data_pipelines.tokenizer import load_tokenizer
+    from vision_tower import ImageProcessor
+
+    singles = list(generate("scenes_chat", 40, 0, "train", max_objects=1))
+    multi = list(generate("scenes_chat", 6, 0, "train", max_objects=1, turns="all"))
+    assert [m.key for m in multi] == [m.key for m in generate("scenes_chat", 6, 0, "train", max_objects=1, turns="all")]
+    enc = TokenEncoder(load_tokenizer())
+    for sample in multi:
+        check_conversation(sample.turns, sample.key)  # raises SkipSample if the turns were out of order
+        assert sample.key.endswith("-all") and sample.meta["type"] == "multi"
+        mine = [s for s in singles if s.meta["source"] == sample.meta["source"]]
+        assert sorted(q["a"] for q in sample.qa) == sorted(s.qa[0]["a"] for s in mine) and len(mine) > 1
+        users = [t for t in sample.turns if t.role == "user"]
+        assert len(users) == len(mine) and len(sample.turns) == 2 * len(mine)
+        assert [sum(seg.image is not None for seg in t.segments) for t in users] == [1] + [0] * (len(users) - 1)
+        for user, answer, qa in zip(users[1:], sample.turns[3::2], sample.qa[1:]):
+            assert turn_text(user).startswith(qa["q"]) and turn_text(answer) == qa["a"]
+        doc = encode_sample_tokens(sample, enc, ImageProcessor(max_patches=64), 4)
+        labelled = enc.tokenizer.decode([i for i, t in zip(doc.input_ids, doc.targets) if t])
+        assert all(qa["a"] in labelled for qa in sample.qa)  # every turn's answer carries the loss
+    orders = {tuple(s.meta["types"]) for s in generate("scenes_chat", 30, 0, "train", max_objects=1, turns="all")}
+    assert len(orders) > 1  # the order of the questions is drawn per scene
+    with pytest.raises(ValueError, match="turns must be one of"):
+        next(generate("scenes_chat", 1, 0, "train", turns="some"))

@@ -65,6 +65,7 @@ class ProbeConfig:
     eval_size: tuple[float, float] | None = None
     seed: int = 0
     caption_share: float = 0.0  # share of training samples that are captioned scenes (loss on the whole caption)
+    turns: str = "one"  # training scenes: one question per conversation, or "all" of a scene's in one conversation
     needle_units: tuple[int, int] = (1, 3)  # haystack units of the ``needle`` type (train and held out)
     needle_modalities: tuple[str, ...] = ("text",)  # where its needles are: text (copying), image (reading)
 
@@ -84,13 +85,16 @@ class ProbeScore:
 def scene_questions(
     cfg: ProbeConfig, split: str, max_objects: int, object_size, seed: int, types: tuple[str, ...] | None = None
 ) -> Iterator[Sample]:
-    """The conversations of ``types`` (default ``cfg.types``; an endless stream, deterministic from the arguments):
-    ``scenes_chat``
-    questions, and for the ``needle`` type ``needles_chat`` haystacks of ``cfg.needle_units`` units, one of each in
-    turn."""
+    """An endless stream, deterministic from the arguments, of ``scenes_chat`` questions of ``types`` (default
+    ``cfg.types``; in training with ``cfg.turns == "all"``, all of a scene's in one conversation) and, for the
+    ``needle`` type, ``needles_chat`` haystacks of ``cfg.needle_units`` units, one of each in turn."""
     types = cfg.types if types is None else types
     streams = []
-    if set(types) - {"needle"}:
+    scene_types = tuple(t for t in types if t != "needle")
+    if scene_types and split == "train" and cfg.turns == "all":  # every question of a scene in one conversation
+        options = dict(max_objects=max_objects, object_size=object_size, types=scene_types, turns="all")
+        streams.append(_endless("scenes_chat", split, seed, **options))
+    elif scene_types:
         streams.append(
             sample
             for sample in _endless("scenes_chat", split, seed, max_objects=max_objects, object_size=object_size)
@@ -141,6 +145,8 @@ def check_config(cfg: ProbeConfig) -> None:
     if "needle" in cfg.types:  # only a probe that draws needles pays for drawing one here
         low, high = cfg.needle_units
         next(synthetic.generate("needles", 1, 0, min_units=low, max_units=high, modalities=cfg.needle_modalities))
+    if cfg.turns not in ("one", "all"):
+        raise ValueError(f"turns must be 'one' or 'all', got {cfg.turns!r}")
     if not 0.0 <= cfg.caption_share < 1.0:
         raise ValueError(f"caption_share must be in [0, 1), got {cfg.caption_share}")
     if min(cfg.steps, cfg.rows, cfg.eval_every, cfg.eval_n) < 1:

@@ -51,6 +51,7 @@ def test_probe_cli_refuses_bad_settings_in_one_line(capsys):
         (["--stage", "0:1:0.8-0.95:shape", "--types", "colour"], "a stage trains ['shape'], which are not among"),
         (["--stage", "0:1:0.8-0.95:shape:x"], "expected START:MAX_OBJECTS[:LOW-HIGH][:TYPES]"),
         (["--set", "pixel_shuffle"], "expected FIELD=JSON"),
+        (["--turns", "some"], "turns must be 'one' or 'all'"),
         (["--types", "needle", "--needle-units", "3-1"], "min_units <= max_units"),
         (["--types", "needle", "--needle-modalities", "audio"], "modalities must be"),
         (["--seq-len", "32", "--steps", "1", "--eval-n", "1"], "skipped (too_long"),  # counted, then refused
@@ -75,3 +76,6 @@ def test_stage_syntax_takes_the_question_types_a_stage_trains():
     assert {next(stream).meta["type"] for _ in range(12)} == {"shape"}  # only the stage's type is trained
     both = training_samples(cfg, Stage(0, 1), 0)
     assert {next(both).meta["type"] for _ in range(12)} == {"colour", "shape"}
+    multi = training_samples(ProbeConfig(types=("colour", "shape"), turns="all"), Stage(0, 1), 0)
+    for sample in (next(multi) for _ in range(4)):  # both questions of a scene in one conversation
+        assert sample.meta["type"] == "multi" and sorted(sample.meta["types"]) == ["colour", "shape"]
