@@ -45,6 +45,8 @@ test: venv
 DEMO_DATA := data/demo
 DEMO_RUN := runs/demo
 STAGE2 := scripts/configs/stage2.yaml
+# The stages train on the shards made under $(DEMO_DATA) (the YAMLs' own shard lists name data/demo).
+STAGE2_SHARDS = $(DEMO_DATA)/tasks/train,$(DEMO_DATA)/one/train,$(DEMO_DATA)/look_small/train
 # Extra `--set` overrides for stage 1 (stage 2 inherits its model from the stage-1 export), e.g. the conv stem:
 # make demo STAGE1_SET="--set model.overrides.vision_stem=conv"  (one-object colour 1.00, ~21 min; docs/seeing.md)
 STAGE1_SET ?=
@@ -71,8 +73,10 @@ demo: venv
 		--synthetic scenes_chat,documents_chat,needles_chat --option min_units=4 --option max_units=9 \
 		--out $(DEMO_DATA)/tasks --num-samples $(TASK_SAMPLES) --seed 0 --max-count 250
 	rm -rf $(DEMO_RUN)
-	$(DS) --config scripts/configs/stage1.yaml --out $(DEMO_RUN)/stage1 $(STAGE1_SET)
-	$(DS) --config $(STAGE2) --out $(DEMO_RUN)/stage2 --set model.init_from=$(DEMO_RUN)/stage1/hf
+	$(DS) --config scripts/configs/stage1.yaml --out $(DEMO_RUN)/stage1 --set 'data.shards=[$(DEMO_DATA)/look/train]' \
+		$(STAGE1_SET)
+	$(DS) --config $(STAGE2) --out $(DEMO_RUN)/stage2 --set model.init_from=$(DEMO_RUN)/stage1/hf \
+		--set 'data.shards=[$(STAGE2_SHARDS)]' --set 'data.eval_shards=[$(DEMO_DATA)/tasks/eval]'
 	$(BIN)/python scripts/r_report.py $(DEMO_RUN)/stage2
 	test -f $(EVAL_DIR)/cmoe_sceneqa_one/data/test.jsonl || $(BIN)/python scripts/make_eval_data.py \
 		--out $(EVAL_DIR) --longdoc-pages 1,4 --longdoc-per-bucket 50 --niah-lengths short --niah-per-bucket 100 \
@@ -95,7 +99,8 @@ demo: venv
 instruct-long: venv
 	test -f $(DEMO_DATA)/scenes_chat/train/manifest.json || $(BIN)/python scripts/make_shards.py \
 		--synthetic scenes_chat --out $(DEMO_DATA)/scenes_chat --num-samples 8000 --eval-samples 200 --seed 1
-	$(MAKE) demo DEMO_RUN=runs/instruct-long STAGE2=scripts/configs/stage2_long.yaml EVAL_LIMIT=100
+	$(MAKE) demo DEMO_RUN=runs/instruct-long STAGE2=scripts/configs/stage2_long.yaml EVAL_LIMIT=100 \
+		STAGE2_SHARDS=$(DEMO_DATA)/tasks/train,$(DEMO_DATA)/one/train,$(DEMO_DATA)/look_small/train,$(DEMO_DATA)/scenes_chat/train
 
 # The compute-matched study (scripts/configs/study.yaml): every arm trained and evaluated as above, one table, plots
 # and a verdict per claim in docs/study.md (~75 min on 2 CPU cores: the YAML's budget_minutes; resumes;
