@@ -19,6 +19,7 @@ import logging
 import os
 import sys
 
+from data_pipelines.jsonl import read_json_lines
 from vlm.model_card import write_card
 from vlm.training import checkpoint
 from vlm.training.build import build_model
@@ -46,6 +47,9 @@ def full_state_dict(root: str, tag: str) -> dict:
         return get_fp32_state_dict_from_zero_checkpoint(root, tag=tag)
 
 
+R_KEYS = (("total", ""), ("text", "_text"), ("image", "_image"))  # a metrics record's R keys, by modality
+
+
 def training_summary(run_dir: str, config: dict, tag: str) -> dict:
     """What the run did, for the model card: its data and schedule (``config``), the step of ``tag``, and the last
     training and held-out R per modality and held-out loss logged up to that step (``metrics.jsonl``)."""
@@ -66,12 +70,9 @@ def training_summary(run_dir: str, config: dict, tag: str) -> dict:
             summary["rows_per_step"] = json.load(f).get("train_batch_size")
     metrics = os.path.join(run_dir, "metrics.jsonl")
     if os.path.isfile(metrics):
-        with open(metrics) as f:
-            for line in f:
-                try:
-                    row = json.loads(line)
-                except ValueError:
-                    continue  # a line cut by a crash
+        bad = lambda lineno, why: log.warning("%s:%d: skipped malformed line (%s)", metrics, lineno, why)
+        with open(metrics, encoding="utf-8", errors="replace") as f:
+            for _, row in read_json_lines(f, bad):  # a line cut by a crash is skipped
                 if step is not None and row.get("step", 0) > step:
                     continue
                 if row.get("split") == "eval":
@@ -80,9 +81,6 @@ def training_summary(run_dir: str, config: dict, tag: str) -> dict:
                 elif "r" in row:
                     summary["train_r"] = {k: row.get(f"r{s}") for k, s in R_KEYS}
     return summary
-
-
-R_KEYS = (("total", ""), ("text", "_text"), ("image", "_image"))
 
 
 def export_checkpoint(run_dir: str, out_dir: str, tag: str | None = None) -> str:
