@@ -1,4 +1,3 @@
-import io
 import json
 import logging
 import random
@@ -9,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 from shard_kit import SMALL_PIXEL_LIMIT, bad_records, cut_inside, good_sample, good_shards, with_image_token, write
+from terminal_kit import Terminal
 
 from data_pipelines.check import check_shards, main, parse_args, settings
 from data_pipelines.local_text import ByteTokenizer
@@ -156,14 +156,9 @@ def test_strict_exits_1_when_anything_was_skipped_and_says_so(shards, tok_dir, c
     assert main([str(shards), *_options(tok_dir), "--quiet"]) == 0  # without --strict skips are reported, not fatal
 
 
-class _Terminal(io.StringIO):
-    def isatty(self) -> bool:
-        return True
-
-
 @pytest.mark.parametrize("quiet", [False, True])
 def test_progress_bar_on_a_terminal_unless_quiet(shards, tok_dir, monkeypatch, quiet):
-    terminal = _Terminal()
+    terminal = Terminal()
     monkeypatch.setattr("sys.stderr", terminal)
     assert main([str(shards / "faults-000.tar"), *_options(tok_dir)] + ["--quiet"] * quiet) == 0
     if quiet:

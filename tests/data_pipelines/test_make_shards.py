@@ -2,13 +2,13 @@
 allowed), text token counts with the shipped tokenizer by default, and the progress bar (a terminal only, never
 with ``--quiet``). Real JSON files and images under tmp_path, real shards written and read back."""
 
-import io
 import json
 import os
 
 import pytest
 import webdataset
 from PIL import Image
+from terminal_kit import Terminal
 
 from data_pipelines.conversation_sources import from_messages
 from data_pipelines.make_shards import main
@@ -146,14 +146,9 @@ def test_manifest_counts_text_tokens_with_the_shipped_tokenizer_by_default(tmp_p
     assert manifest["tokenizer"] == str(other)
 
 
-class _Terminal(io.StringIO):
-    def isatty(self) -> bool:
-        return True
-
-
 @pytest.mark.parametrize("quiet", [False, True])
 def test_progress_bar_on_a_terminal_unless_quiet(tmp_path, monkeypatch, capsys, quiet):
-    terminal = _Terminal()
+    terminal = Terminal()
     monkeypatch.setattr("sys.stderr", terminal)
     args = ["--synthetic", "text", "--num-samples", "5", "--eval-samples", "2", "--out", str(tmp_path / "out")]
     assert main(args + ["--quiet"] * quiet) == 0

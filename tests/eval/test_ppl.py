@@ -1,18 +1,13 @@
 """``scripts/eval_ppl.py``'s progress: a bar of the batches on a terminal, none with ``--quiet``, the same numbers."""
 
 import importlib.util
-import io
 import json
 from pathlib import Path
 
 import pytest
+from terminal_kit import Terminal
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "eval_ppl.py"
-
-
-class _Terminal(io.StringIO):
-    def isatty(self) -> bool:
-        return True
 
 
 def _script():
@@ -28,7 +23,7 @@ def test_progress_bar_counts_the_batches_unless_quiet(tiny_checkpoint, monkeypat
 
     expected = evaluate_ppl(str(tiny_checkpoint), seq_len=32, batch_size=8, max_docs=2)
     batches = -(-expected["windows"] // 8)
-    terminal = _Terminal()
+    terminal = Terminal()
     monkeypatch.setattr("sys.stderr", terminal)
     argv = [str(tiny_checkpoint), "--seq-len", "32", "--batch-size", "8", "--max-docs", "2"] + ["--quiet"] * quiet
     assert _script().main(argv) == 0

@@ -1,20 +1,15 @@
 """``eval.study.runner.run_all``'s progress: one bar of the runs on a terminal (every outcome counts), none when
 asked not to; the log lines keep going to stdout and the study log."""
 
-import io
 import json
 
 import pytest
+from terminal_kit import Terminal
 
 from eval.study.arms import Arm
 from eval.study.collect import run_dir
 from eval.study.runner import Log, run_all
 from vlm import ConceptMoEConfig
-
-
-class _Terminal(io.StringIO):
-    def isatty(self) -> bool:
-        return True
 
 
 @pytest.mark.parametrize("show_progress", [True, False])
@@ -25,7 +20,7 @@ def test_progress_bar_counts_every_run_once(tmp_path, monkeypatch, capsys, show_
     for name in ("base", "chunked"):  # finished before: never redone
         (run_dir(tmp_path, name, 0)).mkdir(parents=True)
         (run_dir(tmp_path, name, 0) / "result.json").write_text(json.dumps({"arm": name}))
-    terminal = _Terminal()
+    terminal = Terminal()
     monkeypatch.setattr("sys.stderr", terminal)
     log = Log(tmp_path / "study.log")
     outcomes = run_all(study, arms, seeds=1, jobs=2, budget_min=0.0, log=log, show_progress=show_progress)
