@@ -22,7 +22,7 @@ token of every piece (the token before it belongs to another document, or there 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -107,6 +107,35 @@ class EncodedDoc:
         return len(self.input_ids) - sum(self.num_tokens)
 
 
+def interleave_ids(
+    pieces: Sequence[str | int], text_ids: Callable[[str], list[int]], image_token_id: int
+) -> tuple[list[int], list[int], list[int]]:
+    """Text and images -> ``(ids, modality_ids, image_starts)``: the one encoding rule of training and inference.
+
+    ``pieces`` are text (``str``) and images (``int``: the image's slot count) in order. Each run of consecutive
+    text pieces is tokenised as one string by ``text_ids`` (the chat template renders it as one, so BPE merges
+    across the seam); each image becomes that many ``image_token_id`` slots (modality 1). The packer
+    (``_DocBuilder``) and ``vlm.processor.VLMProcessor`` both call it."""
+    ids: list[int] = []
+    modality: list[int] = []
+    starts: list[int] = []
+    run: list[str] = []
+    for piece in [*pieces, None]:  # None flushes the last text run
+        if isinstance(piece, str):
+            run.append(piece)
+            continue
+        text, run = "".join(run), []
+        if text:
+            tokens = text_ids(text)
+            ids += tokens
+            modality += [Modality.TEXT] * len(tokens)
+        if piece is not None:
+            starts.append(len(ids))
+            ids += [image_token_id] * piece
+            modality += [Modality.IMAGE] * piece
+    return ids, modality, starts
+
+
 class _DocBuilder:
     """Accumulates one token document: ids, modality, loss targets, images and where their slots start."""
 
@@ -121,7 +150,8 @@ class _DocBuilder:
         self.modality += [Modality.TEXT] * len(ids)
         self.targets += [target] * len(ids)
 
-    def image(self, data: bytes) -> None:
+    def open(self, data: bytes) -> int:
+        """Decode one image, keep it, return its slot count (``image_processor.num_tokens_for``)."""
         image = open_image(data, self.max_image_pixels)
         try:
             n = self.image_processor.num_tokens_for(image)
@@ -129,25 +159,16 @@ class _DocBuilder:
             raise SkipSample("bad_image", f"{self.key}: {type(err).__name__}: {err}") from None
         self.images.append(image)
         self.num_tokens.append(n)
-        self.starts.append(len(self.ids))
-        self.ids += [self.image_token_id] * n
-        self.modality += [Modality.IMAGE] * n
-        self.targets += [False] * n
+        return n
 
     def segments(self, segments, enc: TokenEncoder, target: bool) -> None:
-        """Images in order; the text between two images tokenised as one string, however many segments hold it
-        (``chat.render`` joins them, so ``VLMProcessor`` sees one text piece there: BPE merges across the seam)."""
-        run: list[str] = []
-        for seg in segments:
-            if seg.image is None:
-                run.append(seg.text)
-                continue
-            if run:
-                self.text(enc.text_ids("".join(run)), target)
-                run = []
-            self.image(seg.image)
-        if run:
-            self.text(enc.text_ids("".join(run)), target)
+        """A turn's or a sample's segments through :func:`interleave_ids`, the text under ``target``."""
+        pieces = [seg.text if seg.image is None else self.open(seg.image) for seg in segments]
+        ids, modality, starts = interleave_ids(pieces, enc.text_ids, self.image_token_id)
+        self.starts += [len(self.ids) + s for s in starts]
+        self.ids += ids
+        self.modality += modality
+        self.targets += [target and m == Modality.TEXT for m in modality]
 
     def done(self) -> EncodedDoc:
         return EncodedDoc(self.key, self.ids, self.modality, self.images, self.num_tokens, self.starts, self.targets)

@@ -26,6 +26,7 @@ from transformers.image_utils import load_image
 from transformers.utils import PROCESSOR_NAME
 
 from data_pipelines.chat import CHAT_TEMPLATE, END_OF_TURN
+from data_pipelines.packing import interleave_ids
 from data_pipelines.tokenizer import IMAGE_TOKEN, add_vlm_tokens, pad_id, special_affixes
 from vision_tower import ImageProcessor
 from vlm.hub_code import add_auto_map, auto_map_entry, check_folder, write_code
@@ -71,20 +72,23 @@ class VLMProcessor(ProcessorMixin):
         return pad_id(self.tokenizer)
 
     def row(self, text: str, images: Sequence, num_tokens: list[int], add_special_tokens: bool) -> list[int]:
-        """One row: text pieces tokenised separately, each marker replaced by its image's slots, wrapped in the
-        tokenizer's own special tokens (its post-processor's, e.g. BOS, or [CLS] ... [SEP])."""
+        """One row: the text between markers and each marker's image slots through
+        ``data_pipelines.packing.interleave_ids`` (the rule training encodes with), wrapped in the tokenizer's own
+        special tokens (its post-processor's, e.g. BOS, or [CLS] ... [SEP])."""
         pieces = text.split(self.image_token)
         if len(pieces) - 1 != len(images):
             raise ValueError(
                 f"text has {len(pieces) - 1} {self.image_token} markers but {len(images)} images: {text[:80]!r}"
             )
-        ids = list(self.prefix_ids) if add_special_tokens else []
-        for i, piece in enumerate(pieces):
-            if piece:
-                ids += self.tokenizer(piece, add_special_tokens=False)["input_ids"]
-            if i < len(images):
-                ids += [self.image_token_id] * num_tokens[i]
+        sequence: list[str | int] = [pieces[0]]
+        for piece, n in zip(pieces[1:], num_tokens):
+            sequence += [n, piece]
+        body, _, _ = interleave_ids(sequence, self._text_ids, self.image_token_id)
+        ids = (list(self.prefix_ids) if add_special_tokens else []) + body
         return ids + (list(self.suffix_ids) if add_special_tokens else [])
+
+    def _text_ids(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def rows_of_images(self, texts: list[str], images) -> list[list]:
         """``images`` per row (a list of lists), or flat in marker order across the rows (HF convention)."""
