@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlm.backbone.expert_parallel import expert_parallel_ffn
 from vlm.backbone.layers import SwiGLU
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,8 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class MoE(nn.Module):
-    """Routed experts stored stacked: ``w_gate_up`` [E, D, 2F] (gate | up halves), ``w_down`` [E, F, D]."""
+    """Routed experts stored stacked: ``w_gate_up`` [E, D, 2F] (gate | up halves), ``w_down`` [E, F, D]; under
+    expert parallelism only this rank's ``E / N`` of them (``vlm.backbone.expert_parallel``)."""
 
     def __init__(
         self,
@@ -98,6 +100,8 @@ class MoE(nn.Module):
         # "auto": grouped_mm on accelerators that have it; on CPU the loop over experts measured faster
         # (scripts/bench_model.py: 0.80x vs 0.71x of a dense FFN at d=256). "grouped" / "loop" force one.
         self.dispatch = "auto"
+        # Expert parallelism (vlm.backbone.expert_parallel.shard_experts): None keeps every expert on this rank
+        self.expert_shard = None
 
     def route(self, x_TD: torch.Tensor):
         """Softmax over all experts, keep the top-k (renormalised if ``norm_topk_prob``)."""
@@ -129,6 +133,8 @@ class MoE(nn.Module):
             if x_sD.shape[0] > 0:
                 gate, up = (x_sD @ w_gate_up[e]).chunk(2, dim=-1)
                 outs.append((F.silu(gate) * (up * w_s1)) @ w_down[e])
+        if not outs:  # no slot here (a rank whose experts got no token): a zero gradient still reaches them
+            return x_SD.new_zeros((0, self.w_down.shape[-1])) + 0.0 * (self.w_gate_up.sum() + self.w_down.sum())
         return torch.cat(outs)
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
@@ -139,11 +145,15 @@ class MoE(nn.Module):
         y_TD = self.shared(x_TD) if self.shared is not None else torch.zeros_like(x_TD)
         if self.shared_gate is not None:
             y_TD = torch.sigmoid(self.shared_gate(x_TD)) * y_TD
-        if t > 0:  # dropless grouped dispatch: sort (token, expert) pairs by expert, add back per token
+        if t > 0 or self.expert_shard is not None:  # dropless: sort (token, expert) pairs by expert, add back
             order_S = torch.argsort(flat_expert_S, stable=True)
             token_S = order_S // k
-            y_SD = self.expert_ffn(x_TD.index_select(0, token_S), weight_TA.reshape(-1)[order_S], counts_E)
-            y_TD = y_TD.index_add(0, token_S, y_SD)
+            x_SD, weight_S = x_TD.index_select(0, token_S), weight_TA.reshape(-1)[order_S]
+            if self.expert_shard is None:
+                y_SD = self.expert_ffn(x_SD, weight_S, counts_E)
+            else:  # every rank joins the exchanges, even with no token of its own
+                y_SD = expert_parallel_ffn(self, x_SD, weight_S, counts_E)
+            y_TD = y_TD.index_add(0, token_S, y_SD.to(y_TD.dtype))
         else:  # a fully padded batch: still give every expert a (zero) gradient, as DDP / ZeRO expect
             y_TD = y_TD + 0.0 * (self.w_gate_up.sum() + self.w_down.sum()).to(x_TD.dtype)
         stats = RouterStats(
