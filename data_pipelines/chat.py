@@ -23,10 +23,12 @@ ids, as the training conversation. Turn segments already hold that newline in th
 
 from __future__ import annotations
 
-from data_pipelines.schema import Turn
+from collections.abc import Callable, Sequence
+
+from data_pipelines.schema import Modality, Turn
 from data_pipelines.tokenizer import CHAT_TOKENS, END_OF_TURN, IMAGE_TOKEN, ROLE_TOKENS
 
-__all__ = ["CHAT_TEMPLATE", "CHAT_TOKENS", "END_OF_TURN", "ROLE_TOKENS", "render", "turn_text"]
+__all__ = ["CHAT_TEMPLATE", "CHAT_TOKENS", "END_OF_TURN", "ROLE_TOKENS", "interleave_ids", "render", "turn_text"]
 
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
@@ -54,3 +56,32 @@ def render(turns: list[Turn], add_generation_prompt: bool = False) -> str:
     """The template applied in Python (the Jinja ``CHAT_TEMPLATE`` renders the same string; a test checks it)."""
     text = "".join(ROLE_TOKENS[t.role] + turn_text(t) + END_OF_TURN for t in turns)
     return text + (ROLE_TOKENS["assistant"] if add_generation_prompt else "")
+
+
+def interleave_ids(
+    pieces: Sequence[str | int], text_ids: Callable[[str], list[int]], image_token_id: int
+) -> tuple[list[int], list[int], list[int]]:
+    """Text and images -> ``(ids, modality_ids, image_starts)``: the one encoding rule of training and inference.
+
+    ``pieces`` are text (``str``) and images (``int``: the image's slot count) in order. Each run of consecutive
+    text pieces is tokenised as one string by ``text_ids`` (the chat template renders it as one, so BPE merges
+    across the seam); each image becomes that many ``image_token_id`` slots (modality 1). The packer
+    (``data_pipelines.packing``) and ``vlm.processor.VLMProcessor`` both call it."""
+    ids: list[int] = []
+    modality: list[int] = []
+    starts: list[int] = []
+    run: list[str] = []
+    for piece in [*pieces, None]:  # None flushes the last text run
+        if isinstance(piece, str):
+            run.append(piece)
+            continue
+        text, run = "".join(run), []
+        if text:
+            tokens = text_ids(text)
+            ids += tokens
+            modality += [Modality.TEXT] * len(tokens)
+        if piece is not None:
+            starts.append(len(ids))
+            ids += [image_token_id] * piece
+            modality += [Modality.IMAGE] * piece
+    return ids, modality, starts

@@ -22,11 +22,12 @@ token of every piece (the token before it belongs to another document, or there 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from data_pipelines.chat import interleave_ids
 from data_pipelines.schema import MAX_IMAGE_PIXELS, Modality, Sample, SkipSample, open_image
 from data_pipelines.tokenizer import CHAT_TOKENS, END_OF_TURN, ROLE_TOKENS, pad_id, special_affixes
 
@@ -105,35 +106,6 @@ class EncodedDoc:
     @property
     def num_text_tokens(self) -> int:
         return len(self.input_ids) - sum(self.num_tokens)
-
-
-def interleave_ids(
-    pieces: Sequence[str | int], text_ids: Callable[[str], list[int]], image_token_id: int
-) -> tuple[list[int], list[int], list[int]]:
-    """Text and images -> ``(ids, modality_ids, image_starts)``: the one encoding rule of training and inference.
-
-    ``pieces`` are text (``str``) and images (``int``: the image's slot count) in order. Each run of consecutive
-    text pieces is tokenised as one string by ``text_ids`` (the chat template renders it as one, so BPE merges
-    across the seam); each image becomes that many ``image_token_id`` slots (modality 1). The packer
-    (``_DocBuilder``) and ``vlm.processor.VLMProcessor`` both call it."""
-    ids: list[int] = []
-    modality: list[int] = []
-    starts: list[int] = []
-    run: list[str] = []
-    for piece in [*pieces, None]:  # None flushes the last text run
-        if isinstance(piece, str):
-            run.append(piece)
-            continue
-        text, run = "".join(run), []
-        if text:
-            tokens = text_ids(text)
-            ids += tokens
-            modality += [Modality.TEXT] * len(tokens)
-        if piece is not None:
-            starts.append(len(ids))
-            ids += [image_token_id] * piece
-            modality += [Modality.IMAGE] * piece
-    return ids, modality, starts
 
 
 class _DocBuilder:

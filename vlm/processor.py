@@ -25,8 +25,7 @@ from transformers import AutoTokenizer, BatchFeature, ProcessorMixin
 from transformers.image_utils import load_image
 from transformers.utils import PROCESSOR_NAME
 
-from data_pipelines.chat import CHAT_TEMPLATE, END_OF_TURN
-from data_pipelines.packing import interleave_ids
+from data_pipelines.chat import CHAT_TEMPLATE, END_OF_TURN, interleave_ids
 from data_pipelines.tokenizer import IMAGE_TOKEN, add_vlm_tokens, pad_id, special_affixes
 from vision_tower import ImageProcessor
 from vlm.hub_code import add_auto_map, auto_map_entry, check_folder, write_code
@@ -73,7 +72,7 @@ class VLMProcessor(ProcessorMixin):
 
     def row(self, text: str, images: Sequence, num_tokens: list[int], add_special_tokens: bool) -> list[int]:
         """One row: the text between markers and each marker's image slots through
-        ``data_pipelines.packing.interleave_ids`` (the rule training encodes with), wrapped in the tokenizer's own
+        ``data_pipelines.chat.interleave_ids`` (the rule training encodes with), wrapped in the tokenizer's own
         special tokens (its post-processor's, e.g. BOS, or [CLS] ... [SEP])."""
         pieces = text.split(self.image_token)
         if len(pieces) - 1 != len(images):

@@ -25,6 +25,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from vlm.training.expert_parallel import (
+    expert_parallel_size,
+    load_expert_shard,
+    save_expert_shard,
+    saved_expert_parallel,
+)
 from vlm.training.manifest import file_entries, list_files, write_manifest, write_text_atomic
 from vlm.training.safe_load import weights_only_loading
 
@@ -106,6 +112,7 @@ def save(engine, run_dir: str, step: int, client_state: dict, rank_state: dict, 
         shutil.rmtree(os.path.join(root, tmp_tag), ignore_errors=True)
     _barrier()
     engine.save_checkpoint(root, tag=tmp_tag, client_state=client_state, save_latest=False)
+    save_expert_shard(engine.module, os.path.join(root, tmp_tag))  # expert parallelism: this rank's experts
     with open(os.path.join(root, tmp_tag, rank_state_file(rank)), "w", encoding="utf-8") as f:
         json.dump(rank_state, f)
     _barrier()
@@ -163,10 +170,17 @@ def load(engine, root: str, tag: str) -> tuple[dict, dict]:
     will not load."""
     rank, _ = rank_and_world()
     folder = os.path.join(root, tag)
+    saved, now = saved_expert_parallel(folder), expert_parallel_size(engine.module)
+    if saved != now:
+        raise CheckpointError(
+            f"checkpoint {folder} was written at train.expert_parallel={saved}; this run has {now}: resume at "
+            f"{saved}, or export it (python -m vlm.training.export) and start from the export with model.init_from"
+        )
     with weights_only_loading():
         path, client_state = engine.load_checkpoint(root, tag=tag, load_optimizer_states=True)
     if path is None:
         raise CheckpointError(f"DeepSpeed could not load checkpoint {folder}")
+    load_expert_shard(engine.module, folder)
     try:
         with open(os.path.join(folder, rank_state_file(rank)), encoding="utf-8") as f:
             rank_state = json.load(f)

@@ -81,6 +81,7 @@ class TrainConfig:
     warmup: int = setting(10, (int,), at_least(0))
     grad_clip: float = setting(1.0, (float, int), above(0))
     router_lr_scale: float = setting(0.1, (float, int), above(0), doc="the router's lr / lr (step.optimizer_groups)")
+    expert_parallel: int = setting(1, (int,), at_least(1), doc="ranks each MoE layer's experts are split over")
     keep_last: int = setting(2, (int,), at_least(1))
     log_every: int = setting(1, (int,), at_least(1))
     max_nonfinite: int = setting(5, (int,), at_least(1), doc="non-finite optimiser steps in a row before stopping")

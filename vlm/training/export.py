@@ -25,6 +25,7 @@ from vlm.training import checkpoint
 from vlm.training.build import build_model
 from vlm.training.checkpoint import CheckpointError
 from vlm.training.config import ConfigError, load_config
+from vlm.training.expert_parallel import gather_expert_shards, saved_expert_parallel
 from vlm.training.manifest import verify
 from vlm.training.resume import newest_verified
 from vlm.training.safe_load import UnsafeCheckpointError, weights_only_loading
@@ -42,8 +43,10 @@ def full_state_dict(root: str, tag: str) -> dict:
     with weights_only_loading():
         if os.path.isfile(plain):
             states = torch.load(plain, map_location="cpu")
-            if states.get("param_shapes") is None:  # stage 0: the module's own state dict
-                return states["module"]
+            if states.get("param_shapes") is None or saved_expert_parallel(os.path.join(root, tag)) > 1:
+                # stage 0, or experts split over ranks (the ZeRO files partition them by expert group, which
+                # zero_to_fp32 does not read): the module's own weights, every rank's experts gathered
+                return gather_expert_shards(states["module"], os.path.join(root, tag))
         return get_fp32_state_dict_from_zero_checkpoint(root, tag=tag)
 
 

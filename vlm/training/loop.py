@@ -21,6 +21,7 @@ from vlm.training.checkpoint import CheckpointError
 from vlm.training.config import DataConfig, TrainConfig
 from vlm.training.distributed import init_distributed
 from vlm.training.ds_config import DS_CONFIG_FILE, deepspeed_config, schedule_owner
+from vlm.training.expert_parallel import check_expert_parallel, enable_expert_parallel
 from vlm.training.export import export_checkpoint
 from vlm.training.jit_ops import announce_build, optimizer_builder
 from vlm.training.manifest import write_text_atomic
@@ -113,7 +114,17 @@ def _build_engine(config: dict, ds: dict):
 
     model, processor = build_model(config)
     announce_build(optimizer_builder(ds))  # DeepSpeed's own Adam ("torch_adam": false) compiles on first use
+    ep = config["train"]["expert_parallel"]
+    check_expert_parallel(model, ep, dist.get_world_size(), ds.get("zero_optimization", {}).get("stage", 0))
+    if ep > 1:  # split the experts (new parameters), then the optimizer groups
+        held, total = enable_expert_parallel(model, ep)
+        log.info("expert parallel %d: this rank holds %d of the %d expert parameters", ep, held, total)
     groups = optimizer_groups(model, config["train"]["router_lr_scale"])
+    if ep > 1:  # DeepSpeed's MoE optimizer groups (vlm.training.expert_parallel)
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+        named = [{**group, "name": f"group_{i}"} for i, group in enumerate(groups)]
+        groups = split_params_into_different_moe_groups_for_optimizer(named)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=ds)
     log.info("learning rate: %s; precision: %s", schedule_owner(ds), precision_of(engine))
     return model, processor, engine
