@@ -7,9 +7,12 @@
    the first half of ``--steps``, then ``--resume auto`` to the end: finite losses, R > 1, each step logged once;
 3. export: the run's HF folder loads with ``AutoModelForImageTextToText`` / ``AutoProcessor``;
 4. generate: greedy decoding from an image + question on the GPU, in bf16;
-5. bench: ``scripts/bench_inference.py`` 4K prefill / decode cells in bf16 (ConceptMoE vs its matched MoE).
+5. bench: ``scripts/bench_inference.py`` 4K prefill / decode cells in bf16 (ConceptMoE vs its matched MoE);
+6. expert_parallel (2 GPUs or more): ``deepspeed --num_gpus 2``, ZeRO-2 in bf16, ``train.expert_parallel`` 2 and 1
+   from the same weights on the same data: NCCL all-to-all, per-step losses side by side (``SKIP`` on one GPU; on
+   CPU the same comparison runs in fp32 in ``tests/vlm/training/test_expert_parallel_run.py``).
 
-Each line reads ``PASS|FAIL <check> <seconds> <detail>``; the exit code is the number of failed checks. Without a
+Each line reads ``PASS|FAIL|SKIP <check> <seconds> <detail>``; the exit code is the number of failed checks. Without a
 GPU it stops at once (``--allow-cpu`` runs the same checks on CPU at toy size: how CI keeps this script working).
 """
 
@@ -62,11 +65,11 @@ def check_shards(args) -> str:
     return f"{args.samples} samples per kind in {args.out / 'shards'}"
 
 
-def _train(args, steps: int, resume: bool) -> None:
+def _train(args, steps: int, resume: bool, run: str = "run", gpus: int = 1, extra: tuple = ()) -> None:
     launcher = (
         [sys.executable]
         if args.cpu
-        else [str(BIN / "deepspeed"), "--num_gpus", "1", "--master_port", str(args.master_port)]
+        else [str(BIN / "deepspeed"), "--num_gpus", str(gpus), "--master_port", str(args.master_port)]
     )
     cmd = launcher + [
         "scripts/train_vlm.py",
@@ -75,10 +78,11 @@ def _train(args, steps: int, resume: bool) -> None:
         "--deepspeed",
         "scripts/configs/zero2_bf16.json",
         "--out",
-        str(args.out / "run"),
+        str(args.out / run),
     ]
     cmd += ["--resume", "auto"] if resume else ["--overwrite"]
     sets = [
+        *extra,
         f"model.preset={args.preset}",
         f"data.shards=[{args.out / 'shards' / 'train'}]",
         f"data.eval_shards=[{args.out / 'shards' / 'eval'}]",
@@ -87,7 +91,7 @@ def _train(args, steps: int, resume: bool) -> None:
         f"train.save_every={max(1, args.steps // 2)}",
         "train.eval_every=0",
         f"train.warmup={max(1, args.steps // 4)}",
-        f"train.export={'true' if steps == args.steps else 'false'}",
+        f"train.export={'true' if steps == args.steps and run == 'run' else 'false'}",
     ]
     _run(cmd + [arg for s in sets for arg in ("--set", s)], timeout=1800)
 
@@ -171,12 +175,29 @@ def check_bench(args) -> str:
     return f"{len(rows)} rows in {args.out / 'bench.json'}"
 
 
+def check_expert_parallel(args) -> str:
+    import torch
+
+    if args.cpu or torch.cuda.device_count() < 2:
+        return "SKIP: fewer than 2 GPUs"
+    losses = {}
+    for ep in (1, 2):
+        _train(args, args.steps, resume=False, run=f"ep{ep}", gpus=2, extra=(f"train.expert_parallel={ep}",))
+        lines = (args.out / f"ep{ep}" / "metrics.jsonl").read_text().splitlines()
+        losses[ep] = [r["loss"] for r in map(json.loads, lines) if r.get("split") != "eval"]
+    gap = max(abs(a - b) for a, b in zip(losses[1], losses[2]))
+    if len(losses[2]) != args.steps or gap > 0.05:
+        raise RuntimeError(f"EP 2 vs EP 1 losses differ by up to {gap:.4f} over {len(losses[2])} steps")
+    return f"{args.steps} steps on 2 GPUs (bf16, ZeRO-2): EP 2 losses within {gap:.2e} of EP 1"
+
+
 CHECKS = (
     ("shards", check_shards),
     ("train", check_train),
     ("export", check_export),
     ("generate", check_generate),
     ("bench", check_bench),
+    ("expert_parallel", check_expert_parallel),
 )
 
 
@@ -209,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as err:  # noqa: BLE001 (one line per check, whatever went wrong)
             detail, status = f"{type(err).__name__}: {str(err).strip()[:300]}", "FAIL"
             failed += 1
+        if detail.startswith("SKIP"):
+            status, detail = "SKIP", detail.removeprefix("SKIP: ")
         print(f"{status} {name} {time.perf_counter() - start:.0f}s {detail}", flush=True)
         if status == "FAIL" and name in ("shards", "train"):
             break  # the later checks need the run
