@@ -48,30 +48,35 @@ def run_layer(moe: MoE, x_TD: torch.Tensor) -> tuple[torch.Tensor, dict]:
     return y_TD.detach(), {**grads, "x": x_TD.grad.clone()}
 
 
-def _worker(rank: int, port: int, mode: str, out: dict) -> None:
+MODES = ("routed", "only_rank0_experts", "no_tokens")
+
+
+def _worker(rank: int, port: int, out: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        moe = whole_layer(mode)
-        shard_experts(moe, ExpertShard(group=None, size=2, rank=rank, num_experts=E))
-        y, grads = run_layer(moe, tokens(rank, mode))
-        full = gather_experts(moe)
-        out[rank] = {"y": y, "grads": grads, "full": full, "local": moe.w_gate_up.shape[0]}
+        for mode in MODES:  # one process group for every case: spawning is most of the cost
+            moe = whole_layer(mode)
+            shard_experts(moe, ExpertShard(group=None, size=2, rank=rank, num_experts=E))
+            y, grads = run_layer(moe, tokens(rank, mode))
+            full = gather_experts(moe)
+            out[(mode, rank)] = {"y": y, "grads": grads, "full": full, "local": moe.w_gate_up.shape[0]}
     finally:
         dist.destroy_process_group()
 
 
-def run_two_ranks(mode: str) -> dict:
+@pytest.fixture(scope="module")
+def two_ranks() -> dict:
     from vlm.training.distributed import free_port
 
     out = mp.Manager().dict()
-    mp.start_processes(_worker, args=(free_port(), mode, out), nprocs=2, start_method="spawn", join=True)
+    mp.start_processes(_worker, args=(free_port(), out), nprocs=2, start_method="spawn", join=True)
     return dict(out)
 
 
-@pytest.mark.parametrize("mode", ["routed", "only_rank0_experts", "no_tokens"])
-def test_split_layer_equals_whole_layer(mode):
-    got = run_two_ranks(mode)
+@pytest.mark.parametrize("mode", MODES)
+def test_split_layer_equals_whole_layer(two_ranks, mode):
+    got = [two_ranks[(mode, r)] for r in range(2)]
     ref = [run_layer(whole_layer(mode), tokens(r, mode)) for r in range(2)]
     half = E // 2
     for r in range(2):

@@ -5,6 +5,7 @@ does not resume at another EP; one-line refusals of settings that cannot split."
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 
@@ -29,7 +30,8 @@ EIGHT_EXPERTS = {"model.overrides.concept_num_experts": 8}  # tiny's concept mod
 
 
 def ep_run(run_dir, shards, ep: int, **train):
-    args = dict(launcher="deepspeed", zero=2, max_steps=STEPS, save_every=10, export="false", expert_parallel=ep)
+    args = dict(launcher="deepspeed", zero=2, max_steps=STEPS, save_every=10, eval_every=10, export="false")
+    args["expert_parallel"] = ep
     sets = [f"--set={k}={v}" for k, v in EIGHT_EXPERTS.items()]
     return run_train(run_dir, shards, flags=sets, **{**args, **train})
 
@@ -47,6 +49,17 @@ def test_expert_parallel_losses_equal_data_parallel(runs):
         for key in ("loss", "lm_loss", "balance_loss", "ratio_loss"):
             assert two[step][key] == pytest.approx(one[step][key], abs=1e-5), (step, key)
         assert two[step]["concepts"] == one[step]["concepts"]
+    evals = [
+        {
+            r["step"]: r
+            for r in map(json.loads, (runs[ep][0] / "metrics.jsonl").read_text().splitlines())
+            if r.get("split") == "eval"
+        }
+        for ep in (1, 2)
+    ]
+    assert sorted(evals[1]) == [10, 20]  # the held-out eval runs its forwards on every rank, exchanges included
+    for step in (10, 20):
+        assert evals[1][step]["eval_loss"] == pytest.approx(evals[0][step]["eval_loss"], abs=1e-5)
     log = runs[2][1].stdout + runs[2][1].stderr
     held, total = map(int, re.search(r"holds (\d+) of the (\d+) expert parameters", log).groups())
     assert 2 * held == total  # rank 0 keeps exactly half of every layer's experts
