@@ -134,8 +134,13 @@ class MoE(nn.Module):
                 gate, up = (x_sD @ w_gate_up[e]).chunk(2, dim=-1)
                 outs.append((F.silu(gate) * (up * w_s1)) @ w_down[e])
         if not outs:  # no slot here (a rank whose experts got no token): a zero gradient still reaches them
-            return x_SD.new_zeros((0, self.w_down.shape[-1])) + 0.0 * (self.w_gate_up.sum() + self.w_down.sum())
+            return x_SD.new_zeros((0, self.w_down.shape[-1])) + self.zero_expert_term()
         return torch.cat(outs)
+
+    def zero_expert_term(self) -> torch.Tensor:
+        """A scalar 0 that depends on every routed-expert weight: added to an output that used none of them, it gives
+        each expert a zero gradient instead of none, as DDP / ZeRO expect."""
+        return 0.0 * (self.w_gate_up.sum() + self.w_down.sum())
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
         logits_TE, probs_TE, weight_TA, expert_idx_TA = self.route(x_TD)
@@ -154,8 +159,8 @@ class MoE(nn.Module):
             else:  # every rank joins the exchanges, even with no token of its own
                 y_SD = expert_parallel_ffn(self, x_SD, weight_S, counts_E)
             y_TD = y_TD.index_add(0, token_S, y_SD.to(y_TD.dtype))
-        else:  # a fully padded batch: still give every expert a (zero) gradient, as DDP / ZeRO expect
-            y_TD = y_TD + 0.0 * (self.w_gate_up.sum() + self.w_down.sum()).to(x_TD.dtype)
+        else:  # a fully padded batch
+            y_TD = y_TD + self.zero_expert_term().to(x_TD.dtype)
         stats = RouterStats(
             balance_loss=load_balancing_loss(probs_TE, expert_idx_TA),
             z_loss=router_z_loss(logits_TE),

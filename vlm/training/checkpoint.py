@@ -163,6 +163,16 @@ def prune(root: str, keep_last: int, keep: str) -> None:
 # -- reading ------------------------------------------------------------------------------------------------------
 
 
+def check_same_expert_parallel(folder: str, model) -> None:
+    """A one-line ``CheckpointError`` unless ``model`` splits its experts as the run that wrote ``folder`` did."""
+    saved, now = saved_expert_parallel(folder), expert_parallel_size(model)
+    if saved != now:
+        raise CheckpointError(
+            f"checkpoint {folder} was written at train.expert_parallel={saved}; this run has {now}: resume at "
+            f"{saved}, or export it (python -m vlm.training.export) and start from the export with model.init_from"
+        )
+
+
 def load(engine, root: str, tag: str) -> tuple[dict, dict]:
     """Restore engine (model, optimiser) from ``root/tag``, a checkpoint already verified against its manifest
     (``vlm.training.resume.find_checkpoint``, once on rank 0: hashing it again on every rank would read every file
@@ -170,12 +180,7 @@ def load(engine, root: str, tag: str) -> tuple[dict, dict]:
     will not load."""
     rank, _ = rank_and_world()
     folder = os.path.join(root, tag)
-    saved, now = saved_expert_parallel(folder), expert_parallel_size(engine.module)
-    if saved != now:
-        raise CheckpointError(
-            f"checkpoint {folder} was written at train.expert_parallel={saved}; this run has {now}: resume at "
-            f"{saved}, or export it (python -m vlm.training.export) and start from the export with model.init_from"
-        )
+    check_same_expert_parallel(folder, engine.module)
     with weights_only_loading():
         path, client_state = engine.load_checkpoint(root, tag=tag, load_optimizer_states=True)
     if path is None:

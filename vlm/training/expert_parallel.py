@@ -37,7 +37,8 @@ from vlm.backbone.expert_parallel import EXPERT_WEIGHTS, ExpertShard, shard_expe
 from vlm.backbone.moe import MoE
 from vlm.training.config import ConfigError
 
-SHARD_FILE = "expert_shard_{rank:05d}.safetensors"  # one per expert-parallel rank, in the checkpoint folder
+SHARD_PREFIX, SHARD_SUFFIX = "expert_shard_", ".safetensors"
+SHARD_FILE = SHARD_PREFIX + "{rank:05d}" + SHARD_SUFFIX  # one per expert-parallel rank, in the checkpoint folder
 
 
 def group_name(size: int) -> str:
@@ -48,6 +49,11 @@ def group_name(size: int) -> str:
 def moe_layers(model: torch.nn.Module) -> dict[str, MoE]:
     """Every MoE layer of ``model`` by module path."""
     return {name: m for name, m in model.named_modules() if isinstance(m, MoE)}
+
+
+def expert_parameters(model: torch.nn.Module) -> int:
+    """The routed-expert parameters ``model`` holds (this rank's share when they are split)."""
+    return sum(getattr(m, w).numel() for m in moe_layers(model).values() for w in EXPERT_WEIGHTS)
 
 
 def check_expert_parallel(model: torch.nn.Module, size: int, world_size: int, zero_stage: int) -> None:
@@ -73,9 +79,8 @@ def _deepspeed_layer_class(cls: type) -> type:
     from deepspeed.moe.layer import MoE as DeepSpeedMoE
 
     class DeepSpeedExpertLayer(cls, DeepSpeedMoE):
-        """The toolkit's MoE layer, seen by the DeepSpeed engine as one of its MoE layers (module docstring)."""
-
-        forward = cls.forward
+        """The toolkit's MoE layer, seen by the DeepSpeed engine as one of its MoE layers (module docstring); ``cls``
+        comes first in the method order, so its ``forward`` runs."""
 
         def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
             pass  # the groups were made before the engine (enable_expert_parallel)
@@ -102,8 +107,7 @@ def enable_expert_parallel(model: torch.nn.Module, size: int) -> tuple[int, int]
     Returns (expert parameters this rank holds, expert parameters of the model)."""
     from deepspeed.utils import groups
 
-    total = sum(getattr(m, w).numel() for m in moe_layers(model).values() for w in EXPERT_WEIGHTS)
-
+    total = expert_parameters(model)
     name = group_name(size)
     if name not in groups._get_expert_parallel_group_dict():
         groups._create_expert_and_data_parallel(size)
@@ -115,7 +119,7 @@ def enable_expert_parallel(model: torch.nn.Module, size: int) -> tuple[int, int]
             param = getattr(moe, weight)
             param.allreduce, param.group_name = False, name
         moe.__class__ = _deepspeed_layer_class(type(moe))
-    return sum(getattr(m, w).numel() for m in moe_layers(model).values() for w in EXPERT_WEIGHTS), total
+    return expert_parameters(model), total
 
 
 def expert_parallel_size(model: torch.nn.Module) -> int:
@@ -126,10 +130,12 @@ def expert_parallel_size(model: torch.nn.Module) -> int:
 
 def save_expert_shard(model: torch.nn.Module, folder: str) -> None:
     """This rank's experts into ``folder`` (written by the first rank of each expert-data-parallel group)."""
+    size = expert_parallel_size(model)
+    if size == 1:
+        return
     from deepspeed.utils import groups
 
-    size = expert_parallel_size(model)
-    if size == 1 or groups._get_expert_data_parallel_rank(group_name(size)) != 0:
+    if groups._get_expert_data_parallel_rank(group_name(size)) != 0:
         return
     rank = groups._get_expert_parallel_rank(group_name(size))
     tensors = {
@@ -142,11 +148,11 @@ def save_expert_shard(model: torch.nn.Module, folder: str) -> None:
 
 def load_expert_shard(model: torch.nn.Module, folder: str) -> None:
     """This rank's experts from ``folder`` (what ``save_expert_shard`` wrote)."""
-    from deepspeed.utils import groups
-
     size = expert_parallel_size(model)
     if size == 1:
         return
+    from deepspeed.utils import groups
+
     path = os.path.join(folder, SHARD_FILE.format(rank=groups._get_expert_parallel_rank(group_name(size))))
     tensors = load_file(path)
     with torch.no_grad():
@@ -157,8 +163,7 @@ def load_expert_shard(model: torch.nn.Module, folder: str) -> None:
 
 def saved_expert_parallel(folder: str) -> int:
     """N of the run that wrote the checkpoint ``folder`` (1: no expert shard files)."""
-    shards = sorted(f for f in os.listdir(folder) if f.startswith("expert_shard_") and f.endswith(".safetensors"))
-    return len(shards) or 1
+    return sum(f.startswith(SHARD_PREFIX) and f.endswith(SHARD_SUFFIX) for f in os.listdir(folder)) or 1
 
 
 def gather_expert_shards(state: dict, folder: str) -> dict:

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from train_kit import run_train, step_records
 
 from vlm.model import ConceptMoEVLM
-from vlm.training.checkpoint import CheckpointError, load
+from vlm.training.checkpoint import CheckpointError, check_same_expert_parallel
 from vlm.training.config import ConfigError
 from vlm.training.expert_parallel import (
     SHARD_FILE,
@@ -99,12 +99,9 @@ def test_resume_at_ep2_repeats_the_uninterrupted_run(runs, shards, tmp_path):
 
 def test_a_checkpoint_does_not_resume_at_another_expert_parallel(runs):
     model = ConceptMoEVLM.from_preset("tiny", concept_num_experts=8)  # experts not split: EP 1
-
-    class Engine:  # what load reads before DeepSpeed is asked anything
-        module = model
-
     with pytest.raises(CheckpointError, match=r"expert_parallel=2; this run has 1"):
-        load(Engine(), str(runs[2][0] / "checkpoints"), "step_00000020")
+        check_same_expert_parallel(str(runs[2][0] / "checkpoints" / "step_00000020"), model)
+    check_same_expert_parallel(str(runs[1][0] / "checkpoints" / "step_00000020"), model)  # EP 1 on both sides
 
 
 @pytest.mark.parametrize(
