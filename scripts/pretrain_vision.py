@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from vlm.training.vision_pretraining import TOWER_FIELDS, VisionPretrainConfig, pretrain_vision
+from vlm.training.vision_pretraining import OBJECTIVES, TOWER_FIELDS, VisionPretrainConfig, pretrain_vision
 
 
 def main(argv=None) -> int:
@@ -35,6 +35,13 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="FIELD=JSON", help="a tower field (repeatable)")
     for name in ("max_patches", "pixel_shuffle", "steps", "batch_size", "warmup", "eval_every", "log_every", "seed"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
+    p.add_argument(
+        "--objective",
+        choices=OBJECTIVES,
+        default=d.objective,
+        help="siglip: sigmoid contrastive loss against a caption encoder; superclass: the caption's words "
+        "as the image's class labels (no text encoder)",
+    )
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")

@@ -1,4 +1,4 @@
-"""Contrastive pretraining of the vision tower on image-caption pairs: SigLIP's sigmoid loss.
+"""Pretraining the vision tower on image-caption pairs: SigLIP's sigmoid loss, or caption-word classification.
 
 Real VLMs start from a contrastively pretrained tower (LLaVA and nanoVLM from CLIP / SigLIP). This toolkit's towers
 start from random weights, and a VLM trained from one learns to read only what its one answer token per sample
@@ -13,6 +13,12 @@ others (a shape, a colour, a position, a count), at any image budget the VLM wil
 - :func:`sigmoid_contrastive_loss`: SigLIP's loss (Zhai et al. 2023, "Sigmoid Loss for Language Image
   Pre-Training", arXiv 2303.15343, Algorithm 1).
 - :class:`ContrastivePretrainer`: tower + pool + caption encoder + the loss's learned temperature and bias.
+- :func:`caption_idf` and :func:`caption_classification_loss`: SuperClass's objective (Huang et al. 2024,
+  "Classification Done Right for Vision-Language Pre-Training", arXiv 2411.03313): the caption's own token ids are
+  the image's class labels, a multi-hot target weighted by inverse document frequency, softmax cross-entropy.
+- :class:`CaptionClassPretrainer`: tower + pool + one linear layer over the tokenizer's vocabulary. No text
+  encoder and no batch of negatives: every word of every caption is a direct target for its own image, so each
+  attribute a caption names (colour, shape, position) pulls on the tower from the first step.
 
 ``scripts/pretrain_vision.py`` trains it on webdataset image-caption shards and writes the tower's timm state dict
 as ``.safetensors``, which ``ConceptMoEVLMConfig(vision_weights=...)`` loads.
@@ -124,7 +130,73 @@ class ContrastivePretrainer(nn.Module):
         return ContrastiveOutput(loss, image_BE, text_BE)
 
     @torch.no_grad()
+    def batch_score(self, out: ContrastiveOutput) -> float:
+        """Held-out and logged score: :meth:`retrieval_accuracy` of the batch."""
+        return self.retrieval_accuracy(out.image_BE, out.text_BE)
+
+    @torch.no_grad()
     def retrieval_accuracy(self, image_BE: torch.Tensor, text_BE: torch.Tensor) -> float:
         """Share of images whose own caption scores highest among the batch's (chance 1 / B)."""
         scores_BB = F.normalize(image_BE, dim=-1) @ F.normalize(text_BE, dim=-1).T
         return (scores_BB.argmax(1) == torch.arange(len(scores_BB), device=scores_BB.device)).float().mean().item()
+
+
+def caption_idf(captions: list[list[int]], vocab_size: int) -> torch.Tensor:
+    """Inverse document frequency of every token id over ``captions`` (SuperClass's label weights):
+    ``log(N / (1 + df))``, floored at 0, so a token in nearly every caption ("a", ".") weighs nothing."""
+    df_V = torch.zeros(vocab_size)
+    for ids in captions:
+        df_V[torch.tensor(sorted(set(ids)), dtype=torch.long)] += 1
+    return (math.log(len(captions)) - torch.log1p(df_V)).clamp(min=0.0)
+
+
+def caption_targets(ids_BT: torch.Tensor, mask_BT: torch.Tensor, idf_V: torch.Tensor) -> torch.Tensor:
+    """A caption's multi-hot over the vocabulary, each present token weighted by its IDF, normalised to sum 1
+    (a caption with no weighted token gets an all-zero row, which adds no loss)."""
+    hot_BV = torch.zeros(len(ids_BT), len(idf_V), device=ids_BT.device)
+    hot_BV = hot_BV.scatter_add(1, ids_BT, mask_BT.float()).clamp(max=1.0)  # padding adds 0 wherever it points
+    weighted_BV = hot_BV * idf_V
+    return weighted_BV / weighted_BV.sum(1, keepdim=True).clamp(min=1e-12)
+
+
+def caption_classification_loss(logits_BV: torch.Tensor, target_BV: torch.Tensor) -> torch.Tensor:
+    """SuperClass's loss (arXiv 2411.03313, Sec. 3): softmax cross-entropy of the image's logits over the vocabulary
+    against the caption's IDF-weighted, normalised multi-hot ``-mean_i sum_c y_ic log softmax(x_i)_c``."""
+    return -(target_BV * F.log_softmax(logits_BV.float(), dim=-1)).sum(1).mean()
+
+
+@dataclass
+class CaptionClassOutput:
+    loss: torch.Tensor  # scalar
+    logits_BV: torch.Tensor
+    target_BV: torch.Tensor
+
+
+class CaptionClassPretrainer(nn.Module):
+    """A :class:`VisionTower` with an attention pool whose output is one logit per token id of the vocabulary,
+    trained with :func:`caption_classification_loss`. ``idf_V`` (from :func:`caption_idf` over the training
+    captions) is a buffer: the same weights for every batch."""
+
+    def __init__(self, tower: VisionTower, idf_V: torch.Tensor):
+        super().__init__()
+        self.tower = tower
+        heads = max(h for h in range(1, 9) if tower.out_dim % h == 0)
+        self.pool = AttentionPool(tower.out_dim, heads, len(idf_V))
+        self.register_buffer("idf_V", idf_V.float(), persistent=False)
+
+    def forward(self, patches, patch_coord, patch_valid, ids_BT, mask_BT) -> CaptionClassOutput:
+        feats = self.tower(patches, patch_coord, patch_valid)
+        logits_BV = self.pool(feats.features_BLD, feats.valid_BL)
+        target_BV = caption_targets(ids_BT, mask_BT, self.idf_V)
+        return CaptionClassOutput(caption_classification_loss(logits_BV, target_BV), logits_BV, target_BV)
+
+    @torch.no_grad()
+    def batch_score(self, out: CaptionClassOutput) -> float:
+        """R-precision: of each caption's k weighted tokens, the share among the image's k highest logits."""
+        hits = []
+        for logits_V, target_V in zip(out.logits_BV, out.target_BV):
+            wanted = target_V.nonzero().flatten()
+            if len(wanted):
+                top = logits_V.topk(len(wanted)).indices
+                hits.append(torch.isin(top, wanted).float().mean().item())
+        return sum(hits) / max(len(hits), 1)

@@ -1,4 +1,5 @@
-"""vision_tower.pretrain: SigLIP's loss by its definition, padding that changes nothing, and a toy that learns."""
+"""vision_tower.pretrain: SigLIP's and SuperClass's losses by their definitions, padding that changes nothing, and
+toys that learn."""
 
 # Shape suffixes: B images (= captions), L patches, T caption tokens, E embedding width.
 
@@ -9,7 +10,14 @@ import torch
 from PIL import Image
 
 from vision_tower import ImageProcessor, VisionTower
-from vision_tower.pretrain import ContrastivePretrainer, sigmoid_contrastive_loss
+from vision_tower.pretrain import (
+    CaptionClassPretrainer,
+    ContrastivePretrainer,
+    caption_classification_loss,
+    caption_idf,
+    caption_targets,
+    sigmoid_contrastive_loss,
+)
 
 PROC = ImageProcessor(patch_size=8, max_patches=16, pixel_shuffle=2)
 
@@ -52,6 +60,53 @@ def test_padding_patches_and_caption_tokens_change_no_embedding():
     assert torch.allclose(both_BE[0], one_BE[0], atol=1e-5)
     assert torch.allclose(text_BE[0], short_BE[0], atol=1e-5)
     assert not torch.allclose(text_BE[0], text_BE[1], atol=1e-3)
+
+
+def test_caption_idf_and_targets_follow_their_definitions():
+    captions = [[1, 2, 3], [1, 2, 2], [1, 4]]
+    idf_V = caption_idf(captions, vocab_size=6)
+    df = {0: 0, 1: 3, 2: 2, 3: 1, 4: 1, 5: 0}
+    for token, count in df.items():
+        assert abs(idf_V[token].item() - max(0.0, math.log(3) - math.log(1 + count))) < 1e-6
+    ids_BT = torch.tensor([[1, 2, 3, 0], [4, 4, 0, 0], [1, 0, 0, 0]])  # 0 is padding here, never a label
+    mask_BT = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 0, 0, 0]]).bool()
+    target_BV = caption_targets(ids_BT, mask_BT, idf_V)
+    want = idf_V * torch.tensor([0, 1, 1, 1, 0, 0.0])  # caption 0: tokens 1, 2, 3, each once, weighted by IDF
+    assert torch.allclose(target_BV[0], want / want.sum())
+    assert torch.allclose(target_BV[1], torch.tensor([0, 0, 0, 0, 1, 0.0]))  # a repeated token counts once
+    assert target_BV[2].sum() == 0  # only a token in every caption (IDF 0): no target, no loss
+    logits_BV = torch.randn(3, 6)
+    by_hand = -sum(float(target_BV[i] @ torch.log_softmax(logits_BV[i], -1)) for i in range(3)) / 3
+    assert abs(caption_classification_loss(logits_BV, target_BV).item() - by_hand) < 1e-6
+
+
+def test_a_tiny_tower_learns_the_words_of_its_images_caption():
+    """Four images, each a colour on the left or right half: captions ``[colour, side]``. Every word is learned:
+    each image's two highest logits are its own caption's two words."""
+    colours = [(255, 0, 0), (0, 0, 255)]
+    images, captions = [], []
+    for c, colour in enumerate(colours):
+        for s in range(2):  # left, right
+            pixels = np.zeros((16, 32, 3), dtype=np.uint8)
+            pixels[:, 16 * s : 16 * s + 16] = colour
+            images.append(Image.fromarray(pixels))
+            captions.append([1 + c, 3 + s])
+    batch = PROC(images)
+    ids_BT, mask_BT = torch.tensor(captions), torch.ones(4, 2, dtype=torch.bool)
+    torch.manual_seed(0)
+    tower = VisionTower(embed_dim=32, depth=1, num_heads=2, patch_size=8)
+    model = CaptionClassPretrainer(tower, caption_idf(captions, vocab_size=5))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(200):
+        out = model(batch["patches"], batch["patch_coord"], batch["patch_valid"], ids_BT, mask_BT)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    model.eval()
+    with torch.no_grad():
+        out = model(batch["patches"], batch["patch_coord"], batch["patch_valid"], ids_BT, mask_BT)
+    assert model.batch_score(out) == 1.0
+    assert out.loss.item() < math.log(2) + 0.05  # the floor: two equally weighted words each get half
 
 
 def test_a_tiny_tower_learns_which_caption_names_its_images_colour():

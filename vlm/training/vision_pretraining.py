@@ -1,8 +1,10 @@
-"""Contrastive vision pretraining on image-caption shards: the loop behind ``scripts/pretrain_vision.py``.
+"""Vision pretraining on image-caption shards: the loop behind ``scripts/pretrain_vision.py``.
 
-The model (tower, attention pool, caption encoder, SigLIP's sigmoid loss) is ``vision_tower.pretrain``; this module
+The models are ``vision_tower.pretrain``'s: ``objective="siglip"`` (tower, attention pool, caption encoder,
+SigLIP's sigmoid loss; scored by held-out retrieval) or ``objective="superclass"`` (tower, attention pool, one
+logit per token id; the caption's words are the image's labels; scored by R-precision of those words). This module
 reads the shards, cuts images exactly as the VLM's ``ImageProcessor`` will (same patch size, budget and pixel
-shuffle), trains with AdamW (warmup then cosine), scores held-out retrieval and writes the tower's timm state dict
+shuffle), trains with AdamW (warmup then cosine), scores the held-out pairs and writes the tower's timm state dict
 as ``.safetensors`` (``ConceptMoEVLMConfig.vision_weights`` loads it) with a ``.json`` record beside it.
 
 Any webdataset shards whose samples hold an image and text work (this toolkit's caption samples, img2dataset's
@@ -29,7 +31,7 @@ from data_pipelines.schema import SkipSample, decode_sample, open_image
 from data_pipelines.tar_reader import TruncatedTar, expand_shards, read_tar_groups, skip_marked
 from data_pipelines.tokenizer import load_tokenizer, pad_id
 from vision_tower import ImageProcessor, VisionTower
-from vision_tower.pretrain import ContrastiveOutput, ContrastivePretrainer
+from vision_tower.pretrain import CaptionClassPretrainer, ContrastivePretrainer, caption_idf
 from vlm.config import VISION_PRESETS, ConceptMoEVLMConfig
 
 TOWER_FIELDS = (
@@ -42,6 +44,8 @@ TOWER_FIELDS = (
     "vision_stem",
 )
 Pair = tuple[bytes, list[int]]  # (image file bytes, caption token ids)
+OBJECTIVES = ("siglip", "superclass")
+MAX_CAPTION_TOKENS = 64
 
 
 @dataclass
@@ -51,6 +55,7 @@ class VisionPretrainConfig:
     eval_shards: list[str] = field(default_factory=list)
     preset: str = "tiny"  # the VLM preset whose tower is trained
     tower: dict = field(default_factory=dict)  # TOWER_FIELDS overrides (the VLM config's names)
+    objective: str = "siglip"  # one of OBJECTIVES
     max_patches: int = 64
     pixel_shuffle: int = 2
     steps: int = 600
@@ -76,6 +81,8 @@ class VisionPretrainConfig:
             raise ValueError(f"out must be a .safetensors path, got {self.out!r}")
         if Path(self.out).exists() and not self.overwrite:
             raise ValueError(f"out {str(self.out)!r} exists; choose another path or pass overwrite (--overwrite)")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {list(OBJECTIVES)}, got {self.objective!r}")
         if self.batch_size < 2 or self.steps < 1 or self.warmup < 1:
             raise ValueError("batch_size must be >= 2, steps >= 1 and warmup >= 1")
         self.tower_config()
@@ -123,7 +130,7 @@ def make_batch(pairs: list[Pair], processor: ImageProcessor, pad: int, skipped: 
     return batch
 
 
-def forward(model: ContrastivePretrainer, batch: dict) -> ContrastiveOutput:
+def forward(model: ContrastivePretrainer | CaptionClassPretrainer, batch: dict):
     return model(batch["patches"], batch["patch_coord"], batch["patch_valid"], batch["ids_BT"], batch["mask_BT"])
 
 
@@ -137,13 +144,17 @@ def pretrain_vision(cfg: VisionPretrainConfig, log: Callable[[str], None] = prin
     fields = {name: getattr(tower_config, name) for name in TOWER_FIELDS}
     tower = VisionTower(**tower_config.tower_kwargs())
     tokenizer = load_tokenizer()
-    model = ContrastivePretrainer(tower, len(tokenizer))
     processor = ImageProcessor(tower.patch_size, cfg.max_patches, cfg.pixel_shuffle)
     pad, skipped = pad_id(tokenizer), Counter()
-    train = read_pairs(cfg.shards, tokenizer, model.text.max_len, skipped, log)
-    held_out = read_pairs(cfg.eval_shards, tokenizer, model.text.max_len, skipped, log) if cfg.eval_shards else []
+    train = read_pairs(cfg.shards, tokenizer, MAX_CAPTION_TOKENS, skipped, log)
+    held_out = read_pairs(cfg.eval_shards, tokenizer, MAX_CAPTION_TOKENS, skipped, log) if cfg.eval_shards else []
     if len(train) < cfg.batch_size:
         raise ValueError(f"{len(train)} image-caption pairs in the shards, fewer than batch_size {cfg.batch_size}")
+    if cfg.objective == "superclass":
+        model = CaptionClassPretrainer(tower, caption_idf([ids for _, ids in train], len(tokenizer)))
+    else:
+        model = ContrastivePretrainer(tower, len(tokenizer), max_caption_tokens=MAX_CAPTION_TOKENS)
+    score_name = "r_precision" if cfg.objective == "superclass" else "retrieval"
     log(f"pretrain_vision: {len(train)} train / {len(held_out)} held-out pairs; skipped {dict(skipped) or 'none'}")
 
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=1e-4)
@@ -165,9 +176,9 @@ def pretrain_vision(cfg: VisionPretrainConfig, log: Callable[[str], None] = prin
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if (step + 1) % cfg.log_every == 0 or step == 0:
-            acc = model.retrieval_accuracy(out.image_BE, out.text_BE)
             took = time.time() - t0
-            log(f"step {step + 1}/{cfg.steps} loss {out.loss.item():.4f} retrieval {acc:.3f} ({took:.0f} s)")
+            score = model.batch_score(out)
+            log(f"step {step + 1}/{cfg.steps} loss {out.loss.item():.4f} {score_name} {score:.3f} ({took:.0f} s)")
         if held_out and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
             history.append({"step": step + 1, **evaluate(model, held_out, processor, pad, cfg.batch_size, skipped)})
             log(json.dumps(history[-1]))
@@ -197,8 +208,8 @@ def write_tower(out_path: Path, tower: VisionTower, record: dict) -> None:
 
 @torch.no_grad()
 def evaluate(model, held_out: list[Pair], processor, pad: int, batch_size: int, skipped: Counter) -> dict:
-    """Held-out loss and retrieval accuracy (own caption ranked first among the batch's; chance 1 / batch_size)
-    over the held-out pairs' full batches."""
+    """Held-out loss and the model's batch score (SigLIP: own caption ranked first among the batch's, chance
+    1 / batch_size; SuperClass: R-precision of the caption's words) over the held-out pairs' full batches."""
     was_training = model.training
     model.eval()
     outs = []
@@ -209,8 +220,8 @@ def evaluate(model, held_out: list[Pair], processor, pad: int, batch_size: int, 
     model.train(was_training)
     if not outs:
         return {}
-    return {
-        "eval_loss": sum(o.loss.item() for o in outs) / len(outs),
-        "eval_retrieval": sum(model.retrieval_accuracy(o.image_BE, o.text_BE) for o in outs) / len(outs),
-        "retrieval_chance": 1 / batch_size,
-    }
+    scores = {"eval_loss": sum(o.loss.item() for o in outs) / len(outs)}
+    mean_score = sum(model.batch_score(o) for o in outs) / len(outs)
+    if isinstance(model, CaptionClassPretrainer):
+        return {**scores, "eval_r_precision": mean_score}
+    return {**scores, "eval_retrieval": mean_score, "retrieval_chance": 1 / batch_size}

@@ -1,4 +1,5 @@
-"""Contrastive vision pretraining end to end: real shards in, a tower file out that the VLM loads; bad input counted.
+"""Vision pretraining (SigLIP, SuperClass) end to end: real shards in, a tower file the VLM loads out; bad input
+counted.
 
 The behaviour it buys (a VLM that reads shapes sooner) is measured by ``scripts/probe_seeing.py`` in docs/seeing.md.
 """
@@ -86,6 +87,28 @@ def test_pretraining_writes_a_tower_the_vlm_loads_and_counts_what_it_skipped(tmp
     assert torch.equal(load_file(str(out))[next(iter(weights))], weights[next(iter(weights))])
 
 
+def test_superclass_pretraining_writes_a_tower_the_vlm_loads(tmp_path):
+    make_synthetic(["scenes"], str(tmp_path / "shards"), num_samples=24, seed=0, eval_samples=16)
+    out = tmp_path / "tower.safetensors"
+    cfg = VisionPretrainConfig(
+        shards=[str(tmp_path / "shards" / "train")],
+        eval_shards=[str(tmp_path / "shards" / "eval")],
+        out=str(out),
+        tower=TOWER,
+        objective="superclass",
+        steps=3,
+        batch_size=8,
+        warmup=1,
+        eval_every=3,
+    )
+    record = pretrain_vision(cfg, log=lambda line: None)
+    assert record["config"]["objective"] == "superclass"
+    assert 0.0 <= record["eval"][-1]["eval_r_precision"] <= 1.0 and "retrieval_chance" not in record["eval"][-1]
+    model = ConceptMoEVLM.from_preset("tiny-moe", vision_weights=str(out), **TOWER)
+    weights = load_file(str(out))
+    assert all(torch.equal(model.vision_tower.model.state_dict()[k], weights[k]) for k in weights)
+
+
 def test_pretrain_cli_refuses_bad_settings_in_one_line(tmp_path, capsys):
     script = load_script()
     for argv, says in (
@@ -93,6 +116,7 @@ def test_pretrain_cli_refuses_bad_settings_in_one_line(tmp_path, capsys):
         (["--set", "embed_dim=32"], "expected FIELD=JSON"),
         (["--batch-size", "1"], "batch_size must be >= 2"),
         (["--preset", "huge"], "preset must be one of"),
+        (["--objective", "clip"], "invalid choice"),
     ):
         base = ["--shards", str(tmp_path), "--out", str(tmp_path / "t.safetensors")]
         with pytest.raises(SystemExit):
