@@ -39,8 +39,8 @@ def main(argv=None) -> int:
         "--objective",
         choices=OBJECTIVES,
         default=d.objective,
-        help="siglip: sigmoid contrastive loss against a caption encoder; superclass: the caption's words "
-        "as the image's class labels (no text encoder)",
+        help="siglip: sigmoid contrastive loss against a caption encoder; superclass: the caption's words as the "
+        "image's class labels, softmax (no text encoder); multilabel: the same labels, one sigmoid per word",
     )
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")

@@ -16,9 +16,12 @@ others (a shape, a colour, a position, a count), at any image budget the VLM wil
 - :func:`caption_idf` and :func:`caption_classification_loss`: SuperClass's objective (Huang et al. 2024,
   "Classification Done Right for Vision-Language Pre-Training", arXiv 2411.03313): the caption's own token ids are
   the image's class labels, a multi-hot target weighted by inverse document frequency, softmax cross-entropy.
-- :class:`CaptionClassPretrainer`: tower + pool + one linear layer over the tokenizer's vocabulary. No text
-  encoder and no batch of negatives: every word of every caption is a direct target for its own image, so each
-  attribute a caption names (colour, shape, position) pulls on the tower from the first step.
+- :func:`multilabel_loss`: the same labels as independent binary problems (sigmoid binary cross-entropy, as
+  CatLIP trains on caption-derived labels: Mehta et al. 2024, arXiv 2404.15653), so one word's gradient is not
+  shared out among the caption's other words by a softmax.
+- :class:`CaptionClassPretrainer`: tower + pool + one linear layer over the tokenizer's vocabulary, with either
+  loss. No text encoder and no batch of negatives: every word of every caption is a direct target for its own
+  image, so each attribute a caption names (colour, shape, position) pulls on the tower from the first step.
 
 ``scripts/pretrain_vision.py`` trains it on webdataset image-caption shards and writes the tower's timm state dict
 as ``.safetensors``, which ``ConceptMoEVLMConfig(vision_weights=...)`` loads.
@@ -165,6 +168,17 @@ def caption_classification_loss(logits_BV: torch.Tensor, target_BV: torch.Tensor
     return -(target_BV * F.log_softmax(logits_BV.float(), dim=-1)).sum(1).mean()
 
 
+def multilabel_loss(logits_BV: torch.Tensor, target_BV: torch.Tensor) -> torch.Tensor:
+    """Every token id with a nonzero :func:`caption_targets` weight is a positive label of its image, every other
+    id a negative: ``mean_i sum_c BCE(sigmoid(x_ic), [y_ic > 0])`` (CatLIP's multi-label loss, arXiv 2404.15653,
+    with the caption's informative token ids as the labels)."""
+    labels_BV = (target_BV > 0).to(torch.float32)
+    return F.binary_cross_entropy_with_logits(logits_BV.float(), labels_BV, reduction="sum") / len(logits_BV)
+
+
+CAPTION_LOSSES = {"softmax": caption_classification_loss, "sigmoid": multilabel_loss}
+
+
 @dataclass
 class CaptionClassOutput:
     loss: torch.Tensor  # scalar
@@ -174,11 +188,15 @@ class CaptionClassOutput:
 
 class CaptionClassPretrainer(nn.Module):
     """A :class:`VisionTower` with an attention pool whose output is one logit per token id of the vocabulary,
-    trained with :func:`caption_classification_loss`. ``idf_V`` (from :func:`caption_idf` over the training
-    captions) is a buffer: the same weights for every batch."""
+    trained with ``loss``: ``"softmax"`` (:func:`caption_classification_loss`, SuperClass) or ``"sigmoid"``
+    (:func:`multilabel_loss`). ``idf_V`` (from :func:`caption_idf` over the training captions) is a buffer: the
+    same weights for every batch."""
 
-    def __init__(self, tower: VisionTower, idf_V: torch.Tensor):
+    def __init__(self, tower: VisionTower, idf_V: torch.Tensor, loss: str = "softmax"):
         super().__init__()
+        if loss not in CAPTION_LOSSES:
+            raise ValueError(f"loss must be one of {sorted(CAPTION_LOSSES)}, got {loss!r}")
+        self.loss_fn = CAPTION_LOSSES[loss]
         self.tower = tower
         heads = max(h for h in range(1, 9) if tower.out_dim % h == 0)
         self.pool = AttentionPool(tower.out_dim, heads, len(idf_V))
@@ -188,7 +206,7 @@ class CaptionClassPretrainer(nn.Module):
         feats = self.tower(patches, patch_coord, patch_valid)
         logits_BV = self.pool(feats.features_BLD, feats.valid_BL)
         target_BV = caption_targets(ids_BT, mask_BT, self.idf_V)
-        return CaptionClassOutput(caption_classification_loss(logits_BV, target_BV), logits_BV, target_BV)
+        return CaptionClassOutput(self.loss_fn(logits_BV, target_BV), logits_BV, target_BV)
 
     @torch.no_grad()
     def batch_score(self, out: CaptionClassOutput) -> float:

@@ -1,11 +1,12 @@
 """Vision pretraining on image-caption shards: the loop behind ``scripts/pretrain_vision.py``.
 
-The models are ``vision_tower.pretrain``'s: ``objective="siglip"`` (tower, attention pool, caption encoder,
-SigLIP's sigmoid loss; scored by held-out retrieval) or ``objective="superclass"`` (tower, attention pool, one
-logit per token id; the caption's words are the image's labels; scored by R-precision of those words). This module
-reads the shards, cuts images exactly as the VLM's ``ImageProcessor`` will (same patch size, budget and pixel
-shuffle), trains with AdamW (warmup then cosine), scores the held-out pairs and writes the tower's timm state dict
-as ``.safetensors`` (``ConceptMoEVLMConfig.vision_weights`` loads it) with a ``.json`` record beside it.
+The models are ``vision_tower.pretrain``'s: ``objective="siglip"`` (tower, attention pool, caption encoder, SigLIP's
+sigmoid loss; scored by held-out retrieval), ``objective="superclass"`` (tower, attention pool, one logit per token
+id; the caption's words are the image's labels, softmax cross-entropy) or ``"multilabel"`` (the same labels, sigmoid
+binary cross-entropy per word); the last two are scored by R-precision of the caption's words. This module reads the
+shards, cuts images exactly as the VLM's ``ImageProcessor`` will (same patch size, budget and pixel shuffle), trains
+with AdamW (warmup then cosine), scores the held-out pairs and writes the tower's timm state dict as
+``.safetensors`` (``ConceptMoEVLMConfig.vision_weights`` loads it) with a ``.json`` record beside it.
 
 Any webdataset shards whose samples hold an image and text work (this toolkit's caption samples, img2dataset's
 image + caption pairs): a sample's first image is paired with all its text. Conversations, samples without an image
@@ -44,7 +45,8 @@ TOWER_FIELDS = (
     "vision_stem",
 )
 Pair = tuple[bytes, list[int]]  # (image file bytes, caption token ids)
-OBJECTIVES = ("siglip", "superclass")
+OBJECTIVES = ("siglip", "superclass", "multilabel")
+CAPTION_LOSS = {"superclass": "softmax", "multilabel": "sigmoid"}  # the CaptionClassPretrainer objectives
 MAX_CAPTION_TOKENS = 64
 
 
@@ -150,11 +152,12 @@ def pretrain_vision(cfg: VisionPretrainConfig, log: Callable[[str], None] = prin
     held_out = read_pairs(cfg.eval_shards, tokenizer, MAX_CAPTION_TOKENS, skipped, log) if cfg.eval_shards else []
     if len(train) < cfg.batch_size:
         raise ValueError(f"{len(train)} image-caption pairs in the shards, fewer than batch_size {cfg.batch_size}")
-    if cfg.objective == "superclass":
-        model = CaptionClassPretrainer(tower, caption_idf([ids for _, ids in train], len(tokenizer)))
+    if cfg.objective in CAPTION_LOSS:
+        idf_V = caption_idf([ids for _, ids in train], len(tokenizer))
+        model = CaptionClassPretrainer(tower, idf_V, loss=CAPTION_LOSS[cfg.objective])
     else:
         model = ContrastivePretrainer(tower, len(tokenizer), max_caption_tokens=MAX_CAPTION_TOKENS)
-    score_name = "r_precision" if cfg.objective == "superclass" else "retrieval"
+    score_name = "r_precision" if cfg.objective in CAPTION_LOSS else "retrieval"
     log(f"pretrain_vision: {len(train)} train / {len(held_out)} held-out pairs; skipped {dict(skipped) or 'none'}")
 
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=1e-4)
@@ -209,7 +212,8 @@ def write_tower(out_path: Path, tower: VisionTower, record: dict) -> None:
 @torch.no_grad()
 def evaluate(model, held_out: list[Pair], processor, pad: int, batch_size: int, skipped: Counter) -> dict:
     """Held-out loss and the model's batch score (SigLIP: own caption ranked first among the batch's, chance
-    1 / batch_size; SuperClass: R-precision of the caption's words) over the held-out pairs' full batches."""
+    1 / batch_size; the caption-word objectives: R-precision of the caption's words) over the held-out pairs'
+    full batches."""
     was_training = model.training
     model.eval()
     outs = []

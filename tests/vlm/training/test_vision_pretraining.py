@@ -87,7 +87,8 @@ def test_pretraining_writes_a_tower_the_vlm_loads_and_counts_what_it_skipped(tmp
     assert torch.equal(load_file(str(out))[next(iter(weights))], weights[next(iter(weights))])
 
 
-def test_superclass_pretraining_writes_a_tower_the_vlm_loads(tmp_path):
+@pytest.mark.parametrize("objective", ["superclass", "multilabel"])
+def test_caption_word_pretraining_writes_a_tower_the_vlm_loads(tmp_path, objective):
     make_synthetic(["scenes"], str(tmp_path / "shards"), num_samples=24, seed=0, eval_samples=16)
     out = tmp_path / "tower.safetensors"
     cfg = VisionPretrainConfig(
@@ -95,14 +96,14 @@ def test_superclass_pretraining_writes_a_tower_the_vlm_loads(tmp_path):
         eval_shards=[str(tmp_path / "shards" / "eval")],
         out=str(out),
         tower=TOWER,
-        objective="superclass",
+        objective=objective,
         steps=3,
         batch_size=8,
         warmup=1,
         eval_every=3,
     )
     record = pretrain_vision(cfg, log=lambda line: None)
-    assert record["config"]["objective"] == "superclass"
+    assert record["config"]["objective"] == objective
     assert 0.0 <= record["eval"][-1]["eval_r_precision"] <= 1.0 and "retrieval_chance" not in record["eval"][-1]
     model = ConceptMoEVLM.from_preset("tiny-moe", vision_weights=str(out), **TOWER)
     weights = load_file(str(out))
