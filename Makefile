@@ -34,8 +34,10 @@ LINT := $(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/lint-impor
 test: venv
 	$(LINT) && $(BIN)/python -m pytest -q tests
 
-# The main job, end to end on CPU: synthetic shards -> stage 1 (everything trains on colour / shape / position
-# questions about one large object: learn to look, docs/seeing.md) -> stage 2 (everything, at a lower lr: the eval
+# The main job, end to end on CPU: synthetic shards -> stage 0 (the vision tower alone learns the words of one-object
+# scene captions as labels: scripts/pretrain_vision.py --objective multilabel, conv stem) -> stage 1 (the language
+# model and projector, tower frozen, on colour / shape / position questions about one large object: learn to look,
+# docs/seeing.md) -> stage 2 (all but the tower, at a lower lr: the eval
 # tasks' conversations, one-object scenes of every size and question type, and more colour / shape / position
 # questions on small single objects, loss on the answers) with 2-process DeepSpeed -> HF exports -> per-modality R
 # report -> lmms-eval on the five local tasks through the conceptmoe plugin (chat template) -> per-task R report ->
@@ -47,9 +49,12 @@ DEMO_RUN := runs/demo
 STAGE2 := scripts/configs/stage2.yaml
 # The stages train on the shards made under $(DEMO_DATA) (the YAMLs' own shard lists name data/demo).
 STAGE2_SHARDS = $(DEMO_DATA)/tasks/train,$(DEMO_DATA)/one/train,$(DEMO_DATA)/look_small/train
-# Extra `--set` overrides for stage 1 (stage 2 inherits its model from the stage-1 export), e.g. the conv stem:
-# make demo STAGE1_SET="--set model.overrides.vision_stem=conv"  (one-object colour 1.00, ~21 min; docs/seeing.md)
+# Extra `--set` overrides for stage 1 and stage 2 (stage 2 inherits its model from the stage-1 export), e.g.
+# make demo STAGE1_SET="--set model.overrides.freeze_vision=false"  (the tower trained on; docs/seeing.md)
 STAGE1_SET ?=
+STAGE2_SET ?=
+# Stage 0: the tower learns every attribute a caption names (scripts/pretrain_vision.py --objective multilabel).
+TOWER_STEPS ?= 800
 TASK_SAMPLES := 1500
 EVAL_LIMIT := 200
 EVAL_TASKS := cmoe_sceneqa_one,cmoe_sceneqa,cmoe_refloc,cmoe_niah,cmoe_longdoc
@@ -72,11 +77,16 @@ demo: venv
 	test -f $(DEMO_DATA)/tasks/train/manifest.json || $(BIN)/python scripts/make_shards.py \
 		--synthetic scenes_chat,documents_chat,needles_chat --option min_units=4 --option max_units=9 \
 		--out $(DEMO_DATA)/tasks --num-samples $(TASK_SAMPLES) --seed 0 --max-count 250
+	test -f $(DEMO_DATA)/vision/train/manifest.json || $(BIN)/python scripts/make_shards.py --synthetic scenes \
+		--option max_objects=1 --option object_size=0.12,0.95 --out $(DEMO_DATA)/vision --num-samples 6000 --seed 3
 	rm -rf $(DEMO_RUN)
+	$(BIN)/python scripts/pretrain_vision.py --objective multilabel --shards $(DEMO_DATA)/vision/train \
+		--eval-shards $(DEMO_DATA)/vision/eval --steps $(TOWER_STEPS) --batch-size 32 --eval-every $(TOWER_STEPS) \
+		--log-every 100 --set 'vision_stem="conv"' --threads 2 --out $(DEMO_RUN)/tower/tower.safetensors
 	$(DS) --config scripts/configs/stage1.yaml --out $(DEMO_RUN)/stage1 --set 'data.shards=[$(DEMO_DATA)/look/train]' \
-		$(STAGE1_SET)
+		--set model.overrides.vision_weights=$(DEMO_RUN)/tower/tower.safetensors $(STAGE1_SET)
 	$(DS) --config $(STAGE2) --out $(DEMO_RUN)/stage2 --set model.init_from=$(DEMO_RUN)/stage1/hf \
-		--set 'data.shards=[$(STAGE2_SHARDS)]' --set 'data.eval_shards=[$(DEMO_DATA)/tasks/eval]'
+		--set 'data.shards=[$(STAGE2_SHARDS)]' --set 'data.eval_shards=[$(DEMO_DATA)/tasks/eval]' $(STAGE2_SET)
 	$(BIN)/python scripts/r_report.py $(DEMO_RUN)/stage2
 	test -f $(EVAL_DIR)/cmoe_sceneqa_one/data/test.jsonl || $(BIN)/python scripts/make_eval_data.py \
 		--out $(EVAL_DIR) --longdoc-pages 1,4 --longdoc-per-bucket 50 --niah-lengths short --niah-per-bucket 100 \
@@ -88,7 +98,8 @@ demo: venv
 	$(BIN)/python scripts/score_table.py $(DEMO_RUN)/eval --tasks-dir $(EVAL_DIR)
 	$(BIN)/python scripts/show_concepts.py --model $(DEMO_RUN)/stage2/hf --shards '$(DEMO_DATA)/tasks/eval/*.tar' \
 		--index 0 --out $(DEMO_RUN)/concepts.png --html
-	@echo "shards:        $(DEMO_DATA)/{look,look_small,one,tasks}/{train,eval} (manifest.json in each)"
+	@echo "shards:        $(DEMO_DATA)/{vision,look,look_small,one,tasks}/{train,eval} (manifest.json in each)"
+	@echo "tower:         $(DEMO_RUN)/tower/tower.safetensors (stage 0; .json: settings, held-out R-precision)"
 	@echo "metrics:       $(DEMO_RUN)/stage{1,2}/metrics.jsonl (TensorBoard: tb/ beside them)"
 	@echo "HF exports:    $(DEMO_RUN)/stage{1,2}/hf (AutoProcessor / AutoModelForImageTextToText, pipeline)"
 	@echo "R report:      $(DEMO_RUN)/stage2/r_report.json, .png"

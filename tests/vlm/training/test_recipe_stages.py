@@ -1,14 +1,19 @@
-"""The shipped instruction-tuning stages (``scripts/configs/stage1.yaml`` -> ``stage2.yaml``, as ``make demo`` runs
-them) end to end at toy size: stage 1 on one-object colour / shape / position questions written with the
-generator's options, stage 2 from stage 1's HF export, each exporting a model; ``stage2_long.yaml`` validates."""
+"""The shipped recipe's stages (as ``make demo`` runs them) end to end at toy size: stage 0 pretrains the tower on
+caption words (``scripts/pretrain_vision.py --objective multilabel``, the conv stem), stage 1
+(``scripts/configs/stage1.yaml``) loads it, frozen, and trains on one-object colour / shape / position questions
+written with the generator's options, stage 2 (``stage2.yaml``) starts from stage 1's HF export with the tower still
+as pretrained; ``stage2_long.yaml`` validates."""
 
 import json
 import subprocess
 import sys
 
+import torch
+from safetensors.torch import load_file
 from train_kit import ROOT, env
 
 from data_pipelines.make_shards import make_synthetic
+from vlm import ConceptMoEVLM
 from vlm.training.config import load_config
 
 CONFIGS = ROOT / "scripts" / "configs"
@@ -42,7 +47,36 @@ def test_stage1_then_stage2_train_and_export_at_toy_size(tmp_path):
         eval_samples=8,
         generator_options={"max_objects": 1, "types": ["colour", "shape", "position"]},
     )
-    stage("stage1.yaml", tmp_path / "stage1", shards)
+    make_synthetic(
+        ["scenes"],
+        str(tmp_path / "vision"),
+        num_samples=16,
+        seed=0,
+        eval_samples=4,
+        generator_options={"max_objects": 1},
+    )
+    tower = tmp_path / "tower.safetensors"
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts" / "pretrain_vision.py"),
+        "--objective",
+        "multilabel",
+        "--shards",
+        str(tmp_path / "vision" / "train"),
+        "--set",
+        'vision_stem="conv"',
+        "--steps",
+        "2",
+        "--batch-size",
+        "8",
+        "--warmup",
+        "1",
+        "--out",
+        str(tower),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    stage("stage1.yaml", tmp_path / "stage1", shards, f"model.overrides.vision_weights={tower}")
     stage(
         "stage2.yaml",
         tmp_path / "stage2",
@@ -54,3 +88,7 @@ def test_stage1_then_stage2_train_and_export_at_toy_size(tmp_path):
     steps = [json.loads(line) for line in (tmp_path / "stage2" / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps if "loss" in s] == [1, 2] and any("eval_loss" in s for s in steps)
     assert load_config(str(CONFIGS / "stage2_long.yaml"))["train"]["max_steps"] == 1000
+    pretrained = load_file(str(tower))
+    for name in ("stage1", "stage2"):  # the tower each stage exports is stage 0's, untouched
+        exported = ConceptMoEVLM.from_pretrained(str(tmp_path / name / "hf")).vision_tower.model.state_dict()
+        assert all(torch.equal(exported[k], pretrained[k]) for k in pretrained), name
