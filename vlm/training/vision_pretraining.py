@@ -136,6 +136,14 @@ def forward(model: ContrastivePretrainer | CaptionClassPretrainer, batch: dict):
     return model(batch["patches"], batch["patch_coord"], batch["patch_valid"], batch["ids_BT"], batch["mask_BT"])
 
 
+def build_pretrainer(objective: str, tower: VisionTower, train: list[Pair], vocab_size: int):
+    """The objective's model around ``tower``; the caption-word objectives take their IDF from ``train``."""
+    if objective in CAPTION_LOSS:
+        idf_V = caption_idf([ids for _, ids in train], vocab_size)
+        return CaptionClassPretrainer(tower, idf_V, loss=CAPTION_LOSS[objective])
+    return ContrastivePretrainer(tower, vocab_size, max_caption_tokens=MAX_CAPTION_TOKENS)
+
+
 def pretrain_vision(cfg: VisionPretrainConfig, log: Callable[[str], None] = print) -> dict:
     """Train, write ``cfg.out`` and its ``.json`` record, and return the record."""
     cfg.check()
@@ -152,11 +160,7 @@ def pretrain_vision(cfg: VisionPretrainConfig, log: Callable[[str], None] = prin
     held_out = read_pairs(cfg.eval_shards, tokenizer, MAX_CAPTION_TOKENS, skipped, log) if cfg.eval_shards else []
     if len(train) < cfg.batch_size:
         raise ValueError(f"{len(train)} image-caption pairs in the shards, fewer than batch_size {cfg.batch_size}")
-    if cfg.objective in CAPTION_LOSS:
-        idf_V = caption_idf([ids for _, ids in train], len(tokenizer))
-        model = CaptionClassPretrainer(tower, idf_V, loss=CAPTION_LOSS[cfg.objective])
-    else:
-        model = ContrastivePretrainer(tower, len(tokenizer), max_caption_tokens=MAX_CAPTION_TOKENS)
+    model = build_pretrainer(cfg.objective, tower, train, len(tokenizer))
     score_name = "r_precision" if cfg.objective in CAPTION_LOSS else "retrieval"
     log(f"pretrain_vision: {len(train)} train / {len(held_out)} held-out pairs; skipped {dict(skipped) or 'none'}")
 
