@@ -53,8 +53,10 @@ STAGE2_SHARDS = $(DEMO_DATA)/tasks/train,$(DEMO_DATA)/one/train,$(DEMO_DATA)/loo
 # make demo STAGE1_SET="--set model.overrides.freeze_vision=false"  (the tower trained on; docs/seeing.md)
 STAGE1_SET ?=
 STAGE2_SET ?=
-# Stage 0: the tower learns every attribute a caption names (scripts/pretrain_vision.py --objective multilabel).
+# Stage 0: the tower learns every attribute a caption names (scripts/pretrain_vision.py --objective multilabel);
+# its steps and seed (the stages after it take `--set train.seed=N` through STAGE1_SET / STAGE2_SET).
 TOWER_STEPS ?= 800
+TOWER_SEED ?= 0
 TASK_SAMPLES := 1500
 EVAL_LIMIT := 200
 EVAL_TASKS := cmoe_sceneqa_one,cmoe_sceneqa,cmoe_refloc,cmoe_niah,cmoe_longdoc
@@ -82,7 +84,8 @@ demo: venv
 	rm -rf $(DEMO_RUN)
 	$(BIN)/python scripts/pretrain_vision.py --objective multilabel --shards $(DEMO_DATA)/vision/train \
 		--eval-shards $(DEMO_DATA)/vision/eval --steps $(TOWER_STEPS) --batch-size 32 --eval-every $(TOWER_STEPS) \
-		--log-every 100 --set 'vision_stem="conv"' --threads 2 --out $(DEMO_RUN)/tower/tower.safetensors
+		--log-every 100 --set 'vision_stem="conv"' --threads 2 --seed $(TOWER_SEED) \
+		--out $(DEMO_RUN)/tower/tower.safetensors
 	$(DS) --config scripts/configs/stage1.yaml --out $(DEMO_RUN)/stage1 --set 'data.shards=[$(DEMO_DATA)/look/train]' \
 		--set model.overrides.vision_weights=$(DEMO_RUN)/tower/tower.safetensors $(STAGE1_SET)
 	$(DS) --config $(STAGE2) --out $(DEMO_RUN)/stage2 --set model.init_from=$(DEMO_RUN)/stage1/hf \
