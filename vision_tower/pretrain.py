@@ -104,6 +104,8 @@ class ContrastivePretrainer(nn.Module):
     """A :class:`VisionTower` with an attention pool, a caption encoder and SigLIP's learned temperature and bias
     (initialised as the paper does: t = 10, b = -10)."""
 
+    score_name = "retrieval"  # what :meth:`batch_score` measures
+
     def __init__(
         self,
         tower: VisionTower,
@@ -191,6 +193,8 @@ class CaptionClassPretrainer(nn.Module):
     trained with ``loss``: ``"softmax"`` (:func:`caption_classification_loss`, SuperClass) or ``"sigmoid"``
     (:func:`multilabel_loss`). ``idf_V`` (from :func:`caption_idf` over the training captions) is a buffer: the
     same weights for every batch."""
+
+    score_name = "r_precision"  # what :meth:`batch_score` measures
 
     def __init__(self, tower: VisionTower, idf_V: torch.Tensor, loss: str = "softmax"):
         super().__init__()

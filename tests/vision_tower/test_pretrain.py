@@ -31,6 +31,22 @@ def tiny_pretrainer(seed=0, vocab=16):
     return ContrastivePretrainer(tower, vocab, **sizes)
 
 
+def fit(model, batch, ids_BT, mask_BT, steps: int):
+    """``steps`` of AdamW (lr 1e-2) on one batch; the first step's loss and the trained model's eval-mode output."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    inputs = (batch["patches"], batch["patch_coord"], batch["patch_valid"], ids_BT, mask_BT)
+    first = None
+    for _ in range(steps):
+        out = model(*inputs)
+        first = out.loss.item() if first is None else first
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    model.eval()
+    with torch.no_grad():
+        return first, model(*inputs)
+
+
 def test_sigmoid_loss_equals_the_papers_sum_over_pairs():
     torch.manual_seed(0)
     x_BE, y_BE = torch.randn(5, 7), torch.randn(5, 7)
@@ -106,15 +122,7 @@ def test_a_tiny_tower_learns_the_words_of_its_images_caption(loss):
     torch.manual_seed(0)
     tower = VisionTower(embed_dim=32, depth=1, num_heads=2, patch_size=8)
     model = CaptionClassPretrainer(tower, caption_idf(captions, vocab_size=5), loss=loss)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for _ in range(200):
-        out = model(batch["patches"], batch["patch_coord"], batch["patch_valid"], ids_BT, mask_BT)
-        opt.zero_grad()
-        out.loss.backward()
-        opt.step()
-    model.eval()
-    with torch.no_grad():
-        out = model(batch["patches"], batch["patch_coord"], batch["patch_valid"], ids_BT, mask_BT)
+    _, out = fit(model, batch, ids_BT, mask_BT, steps=200)
     assert model.batch_score(out) == 1.0
     if loss == "softmax":
         assert out.loss.item() < math.log(2) + 0.05  # the floor: two equally weighted words each get half
@@ -137,16 +145,6 @@ def test_a_tiny_tower_learns_which_caption_names_its_images_colour():
     batch = PROC([Image.new("RGB", (24, 16), c) for c in colours])
     ids_BT, mask_BT = torch.arange(1, 9)[:, None], torch.ones(8, 1, dtype=torch.bool)
     model = tiny_pretrainer(vocab=9)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    first = None
-    for _ in range(80):
-        out = model(batch["patches"], batch["patch_coord"], batch["patch_valid"], ids_BT, mask_BT)
-        first = out.loss.item() if first is None else first
-        opt.zero_grad()
-        out.loss.backward()
-        opt.step()
-    model.eval()
-    with torch.no_grad():
-        out = model(batch["patches"], batch["patch_coord"], batch["patch_valid"], ids_BT, mask_BT)
+    first, out = fit(model, batch, ids_BT, mask_BT, steps=80)
     assert model.retrieval_accuracy(out.image_BE, out.text_BE) == 1.0
     assert out.loss.item() < first / 4

@@ -161,7 +161,6 @@ def pretrain_vision(cfg: VisionPretrainConfig, log: Callable[[str], None] = prin
     if len(train) < cfg.batch_size:
         raise ValueError(f"{len(train)} image-caption pairs in the shards, fewer than batch_size {cfg.batch_size}")
     model = build_pretrainer(cfg.objective, tower, train, len(tokenizer))
-    score_name = "r_precision" if cfg.objective in CAPTION_LOSS else "retrieval"
     log(f"pretrain_vision: {len(train)} train / {len(held_out)} held-out pairs; skipped {dict(skipped) or 'none'}")
 
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=1e-4)
@@ -185,7 +184,7 @@ def pretrain_vision(cfg: VisionPretrainConfig, log: Callable[[str], None] = prin
         if (step + 1) % cfg.log_every == 0 or step == 0:
             took = time.time() - t0
             score = model.batch_score(out)
-            log(f"step {step + 1}/{cfg.steps} loss {out.loss.item():.4f} {score_name} {score:.3f} ({took:.0f} s)")
+            log(f"step {step + 1}/{cfg.steps} loss {out.loss.item():.4f} {model.score_name} {score:.3f} ({took:.0f} s)")
         if held_out and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
             history.append({"step": step + 1, **evaluate(model, held_out, processor, pad, cfg.batch_size, skipped)})
             log(json.dumps(history[-1]))
@@ -228,8 +227,10 @@ def evaluate(model, held_out: list[Pair], processor, pad: int, batch_size: int, 
     model.train(was_training)
     if not outs:
         return {}
-    scores = {"eval_loss": sum(o.loss.item() for o in outs) / len(outs)}
-    mean_score = sum(model.batch_score(o) for o in outs) / len(outs)
-    if isinstance(model, CaptionClassPretrainer):
-        return {**scores, "eval_r_precision": mean_score}
-    return {**scores, "eval_retrieval": mean_score, "retrieval_chance": 1 / batch_size}
+    scores = {
+        "eval_loss": sum(o.loss.item() for o in outs) / len(outs),
+        f"eval_{model.score_name}": sum(model.batch_score(o) for o in outs) / len(outs),
+    }
+    if model.score_name == "retrieval":
+        scores["retrieval_chance"] = 1 / batch_size  # the own caption among the batch's
+    return scores
