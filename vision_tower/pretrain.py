@@ -8,8 +8,10 @@ others (a shape, a colour, a position, a count), at any image budget the VLM wil
 
 - :class:`CaptionEncoder`: a small transformer over caption token ids, mean-pooled (the text side; thrown away
   after pretraining).
-- :class:`AttentionPool`: SigLIP's multihead attention pooling ("MAP") head over the tower's valid patches; it
-  reads the per-patch features the VLM's projector will read, so the features that matter must be in the patches.
+- The image side is the tower's own summary pool (:class:`~vision_tower.pool.AttentionPool`, SigLIP's "MAP" head,
+  built by ``VisionTower(summary=True)``) and one linear layer on it. The pool is saved with the tower, so a VLM
+  with ``vision_summary`` reads the same summary the words were learned from; the per-patch features the projector
+  reads are trained through it too.
 - :func:`sigmoid_contrastive_loss`: SigLIP's loss (Zhai et al. 2023, "Sigmoid Loss for Language Image
   Pre-Training", arXiv 2303.15343, Algorithm 1).
 - :class:`ContrastivePretrainer`: tower + pool + caption encoder + the loss's learned temperature and bias.
@@ -53,24 +55,6 @@ def sigmoid_contrastive_loss(
     return -F.logsigmoid(z_BB * logits_BB).sum() / len(logits_BB)
 
 
-class AttentionPool(nn.Module):
-    """SigLIP's MAP head: one learned query attends over the valid patches, then a residual MLP and a projection."""
-
-    def __init__(self, dim: int, heads: int, out_dim: int):
-        super().__init__()
-        self.query_1D = nn.Parameter(torch.randn(1, dim) * dim**-0.5)
-        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
-        self.norm = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-        self.proj = nn.Linear(dim, out_dim)
-
-    def forward(self, features_BLD: torch.Tensor, valid_BL: torch.Tensor) -> torch.Tensor:
-        query_B1D = self.query_1D.expand(len(features_BLD), 1, -1)
-        pooled_B1D, _ = self.attn(query_B1D, features_BLD, features_BLD, key_padding_mask=~valid_BL)
-        pooled_BD = pooled_B1D[:, 0]
-        return self.proj(pooled_BD + self.mlp(self.norm(pooled_BD)))
-
-
 class CaptionEncoder(nn.Module):
     """Token ids -> one caption embedding: learned positions, a pre-norm transformer, a mean over real tokens."""
 
@@ -101,8 +85,9 @@ class ContrastiveOutput:
 
 
 class ContrastivePretrainer(nn.Module):
-    """A :class:`VisionTower` with an attention pool, a caption encoder and SigLIP's learned temperature and bias
-    (initialised as the paper does: t = 10, b = -10)."""
+    """A :class:`VisionTower` (built with ``summary=True``) whose summary, through one linear layer, is the image
+    embedding; a caption encoder; SigLIP's learned temperature and bias (initialised as the paper does: t = 10,
+    b = -10)."""
 
     score_name = "retrieval"  # what :meth:`batch_score` measures
 
@@ -118,15 +103,13 @@ class ContrastivePretrainer(nn.Module):
     ):
         super().__init__()
         self.tower = tower
-        heads = max(h for h in range(1, 9) if tower.out_dim % h == 0)
-        self.pool = AttentionPool(tower.out_dim, heads, embed_dim)
+        self.proj = nn.Linear(tower.require_summary_pool().out_dim, embed_dim)
         self.text = CaptionEncoder(vocab_size, text_dim, text_depth, text_heads, max_caption_tokens, embed_dim)
         self.log_scale = nn.Parameter(torch.tensor(math.log(10.0)))
         self.bias = nn.Parameter(torch.tensor(-10.0))
 
     def embed_images(self, patches, patch_coord, patch_valid) -> torch.Tensor:
-        feats = self.tower(patches, patch_coord, patch_valid)
-        return self.pool(feats.features_BLD, feats.valid_BL)
+        return self.proj(self.tower.summarize(self.tower(patches, patch_coord, patch_valid)))
 
     def forward(self, patches, patch_coord, patch_valid, ids_BT, mask_BT) -> ContrastiveOutput:
         image_BE = self.embed_images(patches, patch_coord, patch_valid)
@@ -189,10 +172,10 @@ class CaptionClassOutput:
 
 
 class CaptionClassPretrainer(nn.Module):
-    """A :class:`VisionTower` with an attention pool whose output is one logit per token id of the vocabulary,
-    trained with ``loss``: ``"softmax"`` (:func:`caption_classification_loss`, SuperClass) or ``"sigmoid"``
-    (:func:`multilabel_loss`). ``idf_V`` (from :func:`caption_idf` over the training captions) is a buffer: the
-    same weights for every batch."""
+    """A :class:`VisionTower` (built with ``summary=True``) whose summary, through one linear layer, gives one logit
+    per token id of the vocabulary, trained with ``loss``: ``"softmax"`` (:func:`caption_classification_loss`,
+    SuperClass) or ``"sigmoid"`` (:func:`multilabel_loss`). ``idf_V`` (from :func:`caption_idf` over the training
+    captions) is a buffer: the same weights for every batch."""
 
     score_name = "r_precision"  # what :meth:`batch_score` measures
 
@@ -202,13 +185,11 @@ class CaptionClassPretrainer(nn.Module):
             raise ValueError(f"loss must be one of {sorted(CAPTION_LOSSES)}, got {loss!r}")
         self.loss_fn = CAPTION_LOSSES[loss]
         self.tower = tower
-        heads = max(h for h in range(1, 9) if tower.out_dim % h == 0)
-        self.pool = AttentionPool(tower.out_dim, heads, len(idf_V))
+        self.head = nn.Linear(tower.require_summary_pool().out_dim, len(idf_V))
         self.register_buffer("idf_V", idf_V.float(), persistent=False)
 
     def forward(self, patches, patch_coord, patch_valid, ids_BT, mask_BT) -> CaptionClassOutput:
-        feats = self.tower(patches, patch_coord, patch_valid)
-        logits_BV = self.pool(feats.features_BLD, feats.valid_BL)
+        logits_BV = self.head(self.tower.summarize(self.tower(patches, patch_coord, patch_valid)))
         target_BV = caption_targets(ids_BT, mask_BT, self.idf_V)
         return CaptionClassOutput(self.loss_fn(logits_BV, target_BV), logits_BV, target_BV)
 

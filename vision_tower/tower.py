@@ -17,6 +17,7 @@ import timm
 import torch
 from torch import nn
 
+from vision_tower.pool import AttentionPool
 from vision_tower.stem import STEMS, PatchConvStem
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ _POS_EMBED = {
     "vit": {"learned": dict(pos_embed="learn"), "none": dict(pos_embed="none")},
 }
 _WEIGHT_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin")
+SUMMARY_PREFIX = "summary_pool."  # a tower file's keys of the summary pool (VisionTower(summary=True))
 
 
 @dataclass
@@ -70,13 +72,15 @@ def load_state_dict_file(path: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_timm_weights(model: nn.Module, path: str | Path) -> None:
-    """Load a local state dict into ``model`` strictly; a mismatch raises one ValueError listing every difference.
+def load_timm_weights(model: nn.Module, path: str | Path, state: dict[str, torch.Tensor] | None = None) -> None:
+    """Load a local state dict (``state``, else read from ``path``) into the timm ``model`` strictly; a mismatch
+    raises one ValueError listing every difference.
 
     Accepted key layouts: the timm model's own, or a ``VisionTower``'s (``model.`` prefix). A timm classifier
-    (``head.*``) is dropped: the tower is built with ``num_classes=0``.
+    (``head.*``) and the tower's summary pool (``summary_pool.*``) are not the timm model's and are dropped here.
     """
-    state = load_state_dict_file(path)
+    state = load_state_dict_file(path) if state is None else state
+    state = {k: v for k, v in state.items() if not k.startswith(SUMMARY_PREFIX)}
     if state and all(k.startswith("model.") for k in state):
         state = {k[len("model.") :]: v for k, v in state.items()}
     state = {k: v for k, v in state.items() if not k.startswith("head.")}
@@ -109,8 +113,10 @@ class VisionTower(nn.Module):
     model's own, which ``pretrained=True`` needs). ``pos_embed``: ``None`` (the model's default), ``'learned'``,
     ``'none'``, and for NaFlexViT also ``'factorized'`` and ``'rope'`` (axial 2-D RoPE). ``stem``: ``'linear'``
     (timm's patch embedding) or, for NaFlexViT, ``'conv'`` (:class:`~vision_tower.stem.PatchConvStem`, three
-    convolutions inside each patch; its weights are part of the tower's state dict). Extra keyword arguments go to
-    ``timm.create_model`` unchanged.
+    convolutions inside each patch; its weights are part of the tower's state dict). ``summary=True`` adds
+    ``summary_pool`` (:class:`~vision_tower.pool.AttentionPool`), read by :meth:`summarize`: one vector per image,
+    loaded from ``weights`` with the rest (its ``summary_pool.*`` keys, as ``scripts/pretrain_vision.py`` writes
+    them). Extra keyword arguments go to ``timm.create_model`` unchanged.
     """
 
     def __init__(
@@ -124,6 +130,7 @@ class VisionTower(nn.Module):
         weights: str | Path | None = None,
         pretrained: bool = False,
         stem: str = "linear",
+        summary: bool = False,
         **timm_kwargs,
     ):
         super().__init__()
@@ -154,12 +161,38 @@ class VisionTower(nn.Module):
         self.stem = stem
         if stem == "conv":  # NaFlexEmbeds applies ``proj`` to the [B, N, p*p*3] patches
             self.model.embeds.proj = PatchConvStem(self.patch_size, self.out_dim)
+        self.summary_pool = AttentionPool(self.out_dim) if summary else None
         if weights is not None:
-            load_timm_weights(self.model, weights)
+            self._load(weights)
+
+    def _load(self, path: str | Path) -> None:
+        state = load_state_dict_file(path)
+        load_timm_weights(self.model, path, state)
+        pool_state = {k[len(SUMMARY_PREFIX) :]: v for k, v in state.items() if k.startswith(SUMMARY_PREFIX)}
+        if self.summary_pool is None:
+            return
+        own = self.summary_pool.state_dict()
+        if set(pool_state) != set(own) or any(pool_state[k].shape != own[k].shape for k in own):
+            raise ValueError(
+                f"VisionTower: summary=True needs the summary pool's weights in {str(path)!r} ({SUMMARY_PREFIX}* keys "
+                f"of a {self.out_dim}-wide pool, as scripts/pretrain_vision.py writes them); found "
+                f"{len(pool_state)} {SUMMARY_PREFIX}* tensors that do not fit"
+            )
+        self.summary_pool.load_state_dict(pool_state, strict=True)
 
     @property
     def out_dim(self) -> int:
         return int(self.model.embed_dim)
+
+    def require_summary_pool(self) -> VisionTower:
+        """``self``, or a ValueError when the tower was built without ``summary=True``."""
+        if self.summary_pool is None:
+            raise ValueError("VisionTower: this needs the tower's summary pool: build it with summary=True")
+        return self
+
+    def summarize(self, feats: VisionFeatures) -> torch.Tensor:
+        """[B, D]: each image's summary, the summary pool's attention over its valid patch features."""
+        return self.require_summary_pool().summary_pool(feats.features_BLD, feats.valid_BL)
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.model.set_grad_checkpointing(enable)

@@ -71,7 +71,9 @@ class ConceptMoEVLMConfig(PretrainedConfig):
     the last token of every modality span, so that no concept mixes text and image tokens (causal: the
     layout of a sequence — where its images are — is known before their content). ``image_chunking`` chooses how
     image tokens are scanned and chunked (``raster``, the paper's, or a 2-D aware choice: ``rows``, ``snake``,
-    ``zorder``, ``router2d``; see ``vlm.image_scan``).
+    ``zorder``, ``router2d``; see ``vlm.image_scan``). ``vision_summary`` gives the tower its summary pool
+    (``VisionTower(summary=True)``) and the projector reads each image token's features together with its image's
+    summary, so an answer can read the whole image from any of its tokens (``docs/seeing.md``).
     """
 
     model_type = "conceptmoe_vlm"
@@ -89,6 +91,7 @@ class ConceptMoEVLMConfig(PretrainedConfig):
         vision_stem: str = "linear",
         vision_weights: str | None = None,
         vision_pretrained: bool = False,
+        vision_summary: bool = False,
         pixel_shuffle: int = 2,
         max_patches: int = 256,
         projector_hidden: int | None = None,
@@ -119,6 +122,7 @@ class ConceptMoEVLMConfig(PretrainedConfig):
         self.vision_stem = vision_stem
         self.vision_weights = vision_weights
         self.vision_pretrained = vision_pretrained
+        self.vision_summary = vision_summary
         self.pixel_shuffle = pixel_shuffle
         self.max_patches = max_patches
         self.projector_hidden = projector_hidden
@@ -144,6 +148,7 @@ class ConceptMoEVLMConfig(PretrainedConfig):
             patch_size=self.patch_size,
             pos_embed=self.vision_pos_embed,
             stem=self.vision_stem,
+            summary=self.vision_summary,
         )
 
     def validate_fields(self) -> None:

@@ -70,8 +70,9 @@ class ConceptMoEVLM(HubCodeMixin, PreTrainedModel, ConceptMoEGenerationMixin):
             config.vision_init_source = config.vision_weights or f"timm:{config.vision_model}"
             config.vision_weights, config.vision_pretrained = None, False
         d_model = config.text_config.d_model
+        summary_dim = self.vision_tower.out_dim if config.vision_summary else 0
         self.projector = Projector(
-            self.vision_tower.out_dim * config.pixel_shuffle**2, d_model, config.projector_hidden
+            self.vision_tower.out_dim * config.pixel_shuffle**2 + summary_dim, d_model, config.projector_hidden
         )
         self.language_model = ConceptMoEForCausalLM(config.text_config)
         self.post_init()
@@ -171,12 +172,17 @@ class ConceptMoEVLM(HubCodeMixin, PreTrainedModel, ConceptMoEGenerationMixin):
 
     # ------------------------------------------------------------------ images -> token embeddings
     def image_embeddings(self, patches, patch_coord, patch_valid, grid_hw) -> torch.Tensor:
-        """[sum of num_tokens over the images, d_model], images in batch order, tokens row-major."""
+        """[sum of num_tokens over the images, d_model], images in batch order, tokens row-major. With
+        ``vision_summary`` each merged token is joined by its image's summary (``VisionTower.summarize``) before
+        the projector."""
         feats = self.vision_tower(patches, patch_coord, patch_valid)
-        tokens = pixel_shuffle_merge(
-            feats.features_BLD, feats.coord_BL2, feats.valid_BL, grid_hw, self.config.pixel_shuffle
-        )
-        return self.projector(tokens)
+        m = self.config.pixel_shuffle
+        tokens_TD = pixel_shuffle_merge(feats.features_BLD, feats.coord_BL2, feats.valid_BL, grid_hw, m)
+        if self.config.vision_summary:
+            per_image_B = grid_hw.to(tokens_TD.device).long().view(-1, 2).prod(-1) // m**2
+            summary_TD = self.vision_tower.summarize(feats).repeat_interleave(per_image_B, dim=0)
+            tokens_TD = torch.cat([tokens_TD, summary_TD.to(tokens_TD.dtype)], dim=-1)
+        return self.projector(tokens_TD)
 
     def idle_image_pass(self, like: torch.Tensor) -> torch.Tensor:
         """The tower and projector on one blank merge block: a text-only training batch still uses (and gives a

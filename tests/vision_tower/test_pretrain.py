@@ -26,7 +26,7 @@ PROC = ImageProcessor(patch_size=8, max_patches=16, pixel_shuffle=2)
 
 def tiny_pretrainer(seed=0, vocab=16):
     torch.manual_seed(seed)
-    tower = VisionTower(embed_dim=32, depth=1, num_heads=2, patch_size=8)
+    tower = VisionTower(embed_dim=32, depth=1, num_heads=2, patch_size=8, summary=True)
     sizes = dict(embed_dim=16, text_dim=16, text_depth=1, text_heads=2, max_caption_tokens=8)
     return ContrastivePretrainer(tower, vocab, **sizes)
 
@@ -120,7 +120,7 @@ def test_a_tiny_tower_learns_the_words_of_its_images_caption(loss):
     batch = PROC(images)
     ids_BT, mask_BT = torch.tensor(captions), torch.ones(4, 2, dtype=torch.bool)
     torch.manual_seed(0)
-    tower = VisionTower(embed_dim=32, depth=1, num_heads=2, patch_size=8)
+    tower = VisionTower(embed_dim=32, depth=1, num_heads=2, patch_size=8, summary=True)
     model = CaptionClassPretrainer(tower, caption_idf(captions, vocab_size=5), loss=loss)
     _, out = fit(model, batch, ids_BT, mask_BT, steps=200)
     assert model.batch_score(out) == 1.0

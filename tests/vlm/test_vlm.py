@@ -143,9 +143,9 @@ def test_per_modality_identity_and_single_modality_concepts(processor):
         start = end + 1
 
 
-@pytest.mark.parametrize("stem", ["linear", "conv"])
-def test_save_and_load_with_auto_classes(tmp_path, processor, stem):
-    model = make_vlm(processor, modality_boundaries=True, vision_stem=stem).eval()
+@pytest.mark.parametrize("stem,summary", [("linear", False), ("conv", False), ("conv", True)])
+def test_save_and_load_with_auto_classes(tmp_path, processor, stem, summary):
+    model = make_vlm(processor, modality_boundaries=True, vision_stem=stem, vision_summary=summary).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
@@ -155,10 +155,31 @@ def test_save_and_load_with_auto_classes(tmp_path, processor, stem):
     loaded = AutoModelForImageTextToText.from_pretrained(tmp_path).eval()
     proc2 = VLMProcessor.from_pretrained(tmp_path)
     assert isinstance(loaded, ConceptMoEVLM) and proc2.image_token_id == processor.image_token_id
-    assert loaded.config.vision_stem == stem
+    assert loaded.config.vision_stem == stem and loaded.config.vision_summary == summary
     batch = proc2(text=["<image> a yellow square"], images=[images(1)])
     with torch.no_grad():
         assert torch.equal(model(**batch).logits, loaded(**batch).logits)
+
+
+@pytest.mark.parametrize("summary", [False, True])
+def test_vision_summary_hands_each_image_token_its_own_images_summary(processor, summary):
+    """A change to one corner of image 0 reaches every token of image 0 through the summary (without it, only the
+    tokens whose patches changed), and never a token of image 1."""
+    model = make_vlm(processor, vision_summary=summary).eval()
+    first, second = images(2)
+    edited = first.copy()
+    edited.paste((255, 0, 255), (0, 0, 8, 8))
+    inputs = [
+        model.image_embeddings(
+            **{k: v for k, v in processor.image_processor([im, second]).items() if k != "num_tokens"}
+        )
+        for im in (first, edited)
+    ]
+    n0 = int(processor.image_processor([first])["num_tokens"][0])
+    with torch.no_grad():
+        changed_T = (inputs[0] - inputs[1]).abs().amax(-1) > 1e-6
+    assert not changed_T[n0:].any()
+    assert bool(changed_T[:n0].all()) == summary and changed_T[0]
 
 
 def test_init_from_text_checkpoint_and_freezing(tmp_path, processor):

@@ -1,12 +1,13 @@
 """Vision pretraining on image-caption shards: the loop behind ``scripts/pretrain_vision.py``.
 
-The models are ``vision_tower.pretrain``'s: ``objective="siglip"`` (tower, attention pool, caption encoder, SigLIP's
-sigmoid loss; scored by held-out retrieval), ``objective="superclass"`` (tower, attention pool, one logit per token
+The models are ``vision_tower.pretrain``'s: ``objective="siglip"`` (tower, its summary pool, caption encoder, SigLIP's
+sigmoid loss; scored by held-out retrieval), ``objective="superclass"`` (tower, summary pool, one logit per token
 id; the caption's words are the image's labels, softmax cross-entropy) or ``"multilabel"`` (the same labels, sigmoid
 binary cross-entropy per word); the last two are scored by R-precision of the caption's words. This module reads the
 shards, cuts images exactly as the VLM's ``ImageProcessor`` will (same patch size, budget and pixel shuffle), trains
-with AdamW (warmup then cosine), scores the held-out pairs and writes the tower's timm state dict as
-``.safetensors`` (``ConceptMoEVLMConfig.vision_weights`` loads it) with a ``.json`` record beside it.
+with AdamW (warmup then cosine), scores the held-out pairs and writes the tower's timm state dict and its summary
+pool (the attention pool every objective reads) as ``.safetensors`` (``ConceptMoEVLMConfig.vision_weights`` loads
+it; ``vision_summary`` keeps the pool) with a ``.json`` record beside it.
 
 Any webdataset shards whose samples hold an image and text work (this toolkit's caption samples, img2dataset's
 image + caption pairs): a sample's first image is paired with all its text. Conversations, samples without an image
@@ -33,6 +34,7 @@ from data_pipelines.tar_reader import TruncatedTar, expand_shards, read_tar_grou
 from data_pipelines.tokenizer import load_tokenizer, pad_id
 from vision_tower import ImageProcessor, VisionTower
 from vision_tower.pretrain import CaptionClassPretrainer, ContrastivePretrainer, caption_idf
+from vision_tower.tower import SUMMARY_PREFIX
 from vlm.config import VISION_PRESETS, ConceptMoEVLMConfig
 
 TOWER_FIELDS = (
@@ -152,7 +154,7 @@ def pretrain_vision(cfg: VisionPretrainConfig, log: Callable[[str], None] = prin
     rng = random.Random(cfg.seed)
     tower_config = cfg.tower_config()
     fields = {name: getattr(tower_config, name) for name in TOWER_FIELDS}
-    tower = VisionTower(**tower_config.tower_kwargs())
+    tower = VisionTower(**{**tower_config.tower_kwargs(), "summary": True})  # the pool the objectives read
     tokenizer = load_tokenizer()
     processor = ImageProcessor(tower.patch_size, cfg.max_patches, cfg.pixel_shuffle)
     pad, skipped = pad_id(tokenizer), Counter()
@@ -203,11 +205,14 @@ def pretrain_vision(cfg: VisionPretrainConfig, log: Callable[[str], None] = prin
 
 
 def write_tower(out_path: Path, tower: VisionTower, record: dict) -> None:
-    """The tower's weights as ``out_path`` (safetensors; written aside, then renamed: a crash never leaves a cut
-    file there) and ``record`` beside it as ``.json``."""
+    """The tower's weights (timm's keys, and its summary pool's under ``summary_pool.``) as ``out_path``
+    (safetensors; written aside, then renamed: a crash never leaves a cut file there) and ``record`` beside it as
+    ``.json``."""
     out_path.parent.mkdir(parents=True, exist_ok=True)
     partial = out_path.with_name(out_path.name + ".partial")
-    save_file({k: v.detach().contiguous() for k, v in tower.model.state_dict().items()}, str(partial))
+    state = dict(tower.model.state_dict())
+    state.update({SUMMARY_PREFIX + k: v for k, v in tower.require_summary_pool().summary_pool.state_dict().items()})
+    save_file({k: v.detach().contiguous() for k, v in state.items()}, str(partial))
     partial.replace(out_path)
     out_path.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from data_pipelines.make_shards import make_synthetic
 from vlm import ConceptMoEVLM
@@ -73,11 +73,20 @@ def test_pretraining_writes_a_tower_the_vlm_loads_and_counts_what_it_skipped(tmp
     assert json.loads(out.with_suffix(".json").read_text())["skipped"] == record["skipped"]
     assert sum(line.startswith("step ") for line in lines) == 4
 
-    weights = load_file(str(out))
+    saved = load_file(str(out))
+    weights = {k: v for k, v in saved.items() if not k.startswith("summary_pool.")}
     model = ConceptMoEVLM.from_preset("tiny-moe", vision_weights=str(out), **TOWER)
     tower_state = model.vision_tower.model.state_dict()
-    assert set(tower_state) == set(weights)
+    assert set(tower_state) == set(weights) and model.vision_tower.summary_pool is None
     assert all(torch.equal(tower_state[k], weights[k]) for k in weights)
+    # vision_summary keeps the pool the objective trained: the same tensors, under the tower's summary_pool
+    pooled = ConceptMoEVLM.from_preset("tiny-moe", vision_weights=str(out), vision_summary=True, **TOWER)
+    pool_state = {"summary_pool." + k: v for k, v in pooled.vision_tower.summary_pool.state_dict().items()}
+    assert set(pool_state) == set(saved) - set(weights) and all(torch.equal(saved[k], v) for k, v in pool_state.items())
+    timm_only = tmp_path / "timm_only.safetensors"
+    save_file(weights, str(timm_only))
+    with pytest.raises(ValueError, match="summary=True needs the summary pool's weights"):
+        ConceptMoEVLM.from_preset("tiny-moe", vision_weights=str(timm_only), vision_summary=True, **TOWER)
     fresh = ConceptMoEVLM.from_preset("tiny-moe", **TOWER).vision_tower.model.state_dict()
     assert not all(torch.equal(fresh[k], weights[k]) for k in weights)  # training moved the tower
     with pytest.raises(ValueError, match="do not fit"):  # a tower of another width refuses in one error
@@ -105,9 +114,10 @@ def test_caption_word_pretraining_writes_a_tower_the_vlm_loads(tmp_path, objecti
     record = pretrain_vision(cfg, log=lambda line: None)
     assert record["config"]["objective"] == objective
     assert 0.0 <= record["eval"][-1]["eval_r_precision"] <= 1.0 and "retrieval_chance" not in record["eval"][-1]
-    model = ConceptMoEVLM.from_preset("tiny-moe", vision_weights=str(out), **TOWER)
+    model = ConceptMoEVLM.from_preset("tiny-moe", vision_weights=str(out), vision_summary=True, **TOWER)
+    own = model.vision_tower.state_dict()  # the timm model's keys under model., and the summary pool's
     weights = load_file(str(out))
-    assert all(torch.equal(model.vision_tower.model.state_dict()[k], weights[k]) for k in weights)
+    assert all(torch.equal(own[k if k.startswith("summary_pool.") else "model." + k], v) for k, v in weights.items())
 
 
 def test_pretrain_cli_refuses_bad_settings_in_one_line(tmp_path, capsys):
