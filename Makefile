@@ -14,7 +14,7 @@ export HF_DATASETS_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv test demo instruct-long demo-backbone bench lint format clean study spatial
+.PHONY: venv test demo demo-shards instruct-long demo-backbone bench lint format clean study spatial
 
 venv: $(STAMP)
 
@@ -35,14 +35,14 @@ test: venv
 	$(LINT) && $(BIN)/python -m pytest -q tests
 
 # The main job, end to end on CPU: synthetic shards -> stage 0 (the vision tower alone learns the words of one-object
-# scene captions as labels: scripts/pretrain_vision.py --objective multilabel, conv stem) -> stage 1 (the language
-# model and projector, tower frozen, on colour / shape / position questions about one large object: learn to look,
-# docs/seeing.md) -> stage 2 (all but the tower, at a lower lr: the eval
-# tasks' conversations, one-object scenes of every size and question type, and more colour / shape / position
-# questions on small single objects, loss on the answers) with 2-process DeepSpeed -> HF exports -> per-modality R
-# report -> lmms-eval on the five local tasks through the conceptmoe plugin (chat template) -> per-task R report ->
-# score table (score, chance, R per modality) -> the concepts of one held-out sample
-# (scripts/show_concepts.py: runs/demo/concepts.png, .html).
+# scene captions as labels: scripts/pretrain_vision.py --objective multilabel, conv stem; the chat shards are made
+# meanwhile) -> stage 1 (the language model and projector, tower frozen, on colour / shape / position questions
+# about one large object: learn to look, docs/seeing.md; every image token also carries the image's summary from
+# stage 0's pool: vision_summary) -> stage 2 (all but the tower, at a lower lr: the eval tasks' conversations,
+# one-object scenes of every size and question type, and more colour / shape / position questions on small single
+# objects, loss on the answers) with 2-process DeepSpeed -> HF exports -> per-modality R report -> lmms-eval on the
+# five local tasks through the conceptmoe plugin (chat template) -> per-task R report -> score table (score, chance,
+# R per modality) -> the concepts of one held-out sample (scripts/show_concepts.py: runs/demo/concepts.png, .html).
 # `make instruct-long` is the same recipe with a longer stage 2 (scripts/configs/stage2_long.yaml, ~60 min).
 DEMO_DATA := data/demo
 DEMO_RUN := runs/demo
@@ -55,7 +55,11 @@ STAGE1_SET ?=
 STAGE2_SET ?=
 # Stage 0: the tower learns every attribute a caption names (scripts/pretrain_vision.py --objective multilabel);
 # its steps and seed (the stages after it take `--set train.seed=N` through STAGE1_SET / STAGE2_SET).
-TOWER_STEPS ?= 800
+TOWER_STEPS ?= 1600
+# The tower's architecture (stage 1 must build the same: stage1.yaml's model.overrides, or STAGE1_SET), e.g. the
+# wider tower of docs/seeing.md: make demo TOWER_SET="--set 'vision_stem=\"conv\"' --set vision_embed_dim=128
+# --set vision_heads=4" STAGE1_SET="--set model.overrides.vision_embed_dim=128 --set model.overrides.vision_heads=4"
+TOWER_SET ?= --set 'vision_stem="conv"'
 TOWER_SEED ?= 0
 TASK_SAMPLES := 1500
 EVAL_LIMIT := 200
@@ -69,7 +73,8 @@ DS := $(BIN)/deepspeed --num_gpus 2 --master_port $(MASTER_PORT) scripts/train_v
 # One-object scene questions (scenes_chat with the generator's options): LOOK = colour / shape / position only.
 ONE := $(BIN)/python scripts/make_shards.py --synthetic scenes_chat --option max_objects=1
 LOOK := --option types=colour,shape,position
-demo: venv
+# The shards stages 1 and 2 train on; `make demo` makes them while stage 0 trains (its own step, run in the background).
+demo-shards: venv
 	test -f $(DEMO_DATA)/look/train/manifest.json || $(ONE) $(LOOK) --option object_size=0.45,0.95 \
 		--out $(DEMO_DATA)/look --num-samples 12000 --seed 0
 	test -f $(DEMO_DATA)/look_small/train/manifest.json || $(ONE) $(LOOK) \
@@ -79,13 +84,15 @@ demo: venv
 	test -f $(DEMO_DATA)/tasks/train/manifest.json || $(BIN)/python scripts/make_shards.py \
 		--synthetic scenes_chat,documents_chat,needles_chat --option min_units=4 --option max_units=9 \
 		--out $(DEMO_DATA)/tasks --num-samples $(TASK_SAMPLES) --seed 0 --max-count 250
+demo: venv
 	test -f $(DEMO_DATA)/vision/train/manifest.json || $(BIN)/python scripts/make_shards.py --synthetic scenes \
 		--option max_objects=1 --option object_size=0.12,0.95 --out $(DEMO_DATA)/vision --num-samples 6000 --seed 3
 	rm -rf $(DEMO_RUN)
+	$(MAKE) --no-print-directory demo-shards & shards=$$!; \
 	$(BIN)/python scripts/pretrain_vision.py --objective multilabel --shards $(DEMO_DATA)/vision/train \
 		--eval-shards $(DEMO_DATA)/vision/eval --steps $(TOWER_STEPS) --batch-size 32 --eval-every $(TOWER_STEPS) \
-		--log-every 100 --set 'vision_stem="conv"' --threads 2 --seed $(TOWER_SEED) \
-		--out $(DEMO_RUN)/tower/tower.safetensors
+		--log-every 100 $(TOWER_SET) --threads 2 --seed $(TOWER_SEED) \
+		--out $(DEMO_RUN)/tower/tower.safetensors; tower=$$?; wait $$shards && test $$tower -eq 0
 	$(DS) --config scripts/configs/stage1.yaml --out $(DEMO_RUN)/stage1 --set 'data.shards=[$(DEMO_DATA)/look/train]' \
 		--set model.overrides.vision_weights=$(DEMO_RUN)/tower/tower.safetensors $(STAGE1_SET)
 	$(DS) --config $(STAGE2) --out $(DEMO_RUN)/stage2 --set model.init_from=$(DEMO_RUN)/stage1/hf \

@@ -1,8 +1,8 @@
 """The shipped recipe's stages (as ``make demo`` runs them) end to end at toy size: stage 0 pretrains the tower on
-caption words (``scripts/pretrain_vision.py --objective multilabel``, the conv stem), stage 1
-(``scripts/configs/stage1.yaml``) loads it, frozen, and trains on one-object colour / shape / position questions
-written with the generator's options, stage 2 (``stage2.yaml``) starts from stage 1's HF export with the tower still
-as pretrained; ``stage2_long.yaml`` validates."""
+caption words (``scripts/pretrain_vision.py --objective multilabel``, the tower ``stage1.yaml`` names), stage 1
+(``scripts/configs/stage1.yaml``) loads it, frozen, with its summary pool, and trains on one-object colour / shape
+/ position questions written with the generator's options, stage 2 (``stage2.yaml``) starts from stage 1's HF
+export with the tower still as pretrained; ``stage2_long.yaml`` validates."""
 
 import json
 import subprocess
@@ -15,6 +15,7 @@ from train_kit import ROOT, env
 from data_pipelines.make_shards import make_synthetic
 from vlm import ConceptMoEVLM
 from vlm.training.config import load_config
+from vlm.training.vision_pretraining import TOWER_FIELDS
 
 CONFIGS = ROOT / "scripts" / "configs"
 
@@ -56,6 +57,9 @@ def test_stage1_then_stage2_train_and_export_at_toy_size(tmp_path):
         generator_options={"max_objects": 1},
     )
     tower = tmp_path / "tower.safetensors"
+    overrides = load_config(str(CONFIGS / "stage1.yaml"))["model"]["overrides"]
+    stage1_tower = {k: v for k, v in overrides.items() if k in TOWER_FIELDS}  # stage 0 builds the tower stage 1 loads
+    assert stage1_tower["vision_stem"] == "conv" and overrides["vision_summary"] is True
     cmd = [
         sys.executable,
         str(ROOT / "scripts" / "pretrain_vision.py"),
@@ -63,8 +67,7 @@ def test_stage1_then_stage2_train_and_export_at_toy_size(tmp_path):
         "multilabel",
         "--shards",
         str(tmp_path / "vision" / "train"),
-        "--set",
-        'vision_stem="conv"',
+        *[f"--set={k}={json.dumps(v)}" for k, v in stage1_tower.items()],
         "--steps",
         "2",
         "--batch-size",
@@ -89,6 +92,8 @@ def test_stage1_then_stage2_train_and_export_at_toy_size(tmp_path):
     assert [s["step"] for s in steps if "loss" in s] == [1, 2] and any("eval_loss" in s for s in steps)
     assert load_config(str(CONFIGS / "stage2_long.yaml"))["train"]["max_steps"] == 1000
     pretrained = load_file(str(tower))
-    for name in ("stage1", "stage2"):  # the tower each stage exports is stage 0's, untouched
-        exported = ConceptMoEVLM.from_pretrained(str(tmp_path / name / "hf")).vision_tower.model.state_dict()
-        assert all(torch.equal(exported[k], pretrained[k]) for k in pretrained), name
+    for name in ("stage1", "stage2"):  # the tower each stage exports is stage 0's (summary pool too), untouched
+        exported = ConceptMoEVLM.from_pretrained(str(tmp_path / name / "hf")).vision_tower.state_dict()
+        assert len(exported) == len(pretrained), name
+        for k, v in pretrained.items():
+            assert torch.equal(exported[k if k.startswith("summary_pool.") else "model." + k], v), (name, k)
