@@ -22,8 +22,8 @@ def pool_heads(dim: int) -> int:
 
 class AttentionPool(nn.Module):
     """[B, L, D] patch features (+ [B, L] valid) -> [B, D]: ``pooled + MLP(LayerNorm(pooled))``, where ``pooled`` is
-    one learned query's multihead attention over the valid patches. An image with no valid patch pools to the
-    MLP of a zero vector (its features are zero), never to NaN."""
+    one learned query's multihead attention over the valid patches. An image with no valid patch attends over its
+    (zero) padding features instead, so its summary is finite, never NaN."""
 
     def __init__(self, dim: int, heads: int | None = None):
         super().__init__()
