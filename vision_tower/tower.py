@@ -168,9 +168,9 @@ class VisionTower(nn.Module):
     def _load(self, path: str | Path) -> None:
         state = load_state_dict_file(path)
         load_timm_weights(self.model, path, state)
-        pool_state = {k[len(SUMMARY_PREFIX) :]: v for k, v in state.items() if k.startswith(SUMMARY_PREFIX)}
         if self.summary_pool is None:
             return
+        pool_state = {k[len(SUMMARY_PREFIX) :]: v for k, v in state.items() if k.startswith(SUMMARY_PREFIX)}
         own = self.summary_pool.state_dict()
         if set(pool_state) != set(own) or any(pool_state[k].shape != own[k].shape for k in own):
             raise ValueError(

@@ -179,7 +179,7 @@ class ConceptMoEVLM(HubCodeMixin, PreTrainedModel, ConceptMoEGenerationMixin):
         m = self.config.pixel_shuffle
         tokens_TD = pixel_shuffle_merge(feats.features_BLD, feats.coord_BL2, feats.valid_BL, grid_hw, m)
         if self.config.vision_summary:
-            per_image_B = grid_hw.to(tokens_TD.device).long().view(-1, 2).prod(-1) // m**2
+            per_image_B = (grid_hw.to(tokens_TD.device).long().view(-1, 2) // m).prod(-1)  # as the merge counts them
             summary_TD = self.vision_tower.summarize(feats).repeat_interleave(per_image_B, dim=0)
             tokens_TD = torch.cat([tokens_TD, summary_TD.to(tokens_TD.dtype)], dim=-1)
         return self.projector(tokens_TD)
