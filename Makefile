@@ -35,9 +35,10 @@ test: venv
 	$(LINT) && $(BIN)/python -m pytest -q tests
 
 # The main job, end to end on CPU: synthetic shards -> stage 0 (the vision tower alone learns the words of one-object
-# scene captions as labels: scripts/pretrain_vision.py --objective multilabel, conv stem) -> stage 1 (the language
-# model and projector, tower frozen, on colour / shape / position questions about one large object: learn to look,
-# docs/seeing.md; every image token also carries the image's summary from stage 0's pool: vision_summary) -> stage
+# scene captions as labels: scripts/pretrain_vision.py --objective multilabel, conv stem, 128 wide) -> stage 1a (the
+# language model and projector, tower frozen, on the colour of one large object: colour first, docs/seeing.md) ->
+# stage 1b (from 1a's export: colour / shape / position questions about one large object: learn to look; every image
+# token also carries the image's summary from stage 0's pool: vision_summary) -> stage
 # 2 (all but the tower, at a lower lr: the eval tasks' conversations, one-object scenes of every size and question
 # type, and more colour / shape / position questions on small single objects, loss on the answers) with 2-process
 # DeepSpeed -> HF exports -> per-modality R report -> lmms-eval on the five local tasks through the conceptmoe plugin
@@ -49,17 +50,17 @@ DEMO_RUN := runs/demo
 STAGE2 := scripts/configs/stage2.yaml
 # The stages train on the shards made under $(DEMO_DATA) (the YAMLs' own shard lists name data/demo).
 STAGE2_SHARDS = $(DEMO_DATA)/tasks/train,$(DEMO_DATA)/one/train,$(DEMO_DATA)/look_small/train
-# Extra `--set` overrides for stage 1 and stage 2 (stage 2 inherits its model from the stage-1 export), e.g.
-# make demo STAGE1_SET="--set model.overrides.freeze_vision=false"  (the tower trained on; docs/seeing.md)
+# Extra `--set` overrides for stage 1a, which builds the model, and stage 2 (stages 1b and 2 inherit the model from
+# the export before them), e.g. make demo STAGE1_SET="--set train.seed=1" STAGE2_SET="--set train.seed=1"
 STAGE1_SET ?=
 STAGE2_SET ?=
 # Stage 0: the tower learns every attribute a caption names (scripts/pretrain_vision.py --objective multilabel);
 # its steps and seed (the stages after it take `--set train.seed=N` through STAGE1_SET / STAGE2_SET).
 TOWER_STEPS ?= 1600
-# The tower's architecture (stage 1 must build the same: stage1.yaml's model.overrides, or STAGE1_SET), e.g. the
-# wider tower of docs/seeing.md: make demo TOWER_SET="--set 'vision_stem=\"conv\"' --set vision_embed_dim=128
-# --set vision_heads=4" STAGE1_SET="--set model.overrides.vision_embed_dim=128 --set model.overrides.vision_heads=4"
-TOWER_SET ?= --set 'vision_stem="conv"'
+# The tower's architecture (stage 1a must build the same: stage1_colour.yaml's model.overrides, or STAGE1_SET), e.g.
+# the preset's narrower tower of docs/seeing.md: make demo TOWER_SET="--set 'vision_stem=\"conv\"'"
+# STAGE1_SET="--set model.overrides.vision_embed_dim=64 --set model.overrides.vision_heads=2"
+TOWER_SET ?= --set 'vision_stem="conv"' --set vision_embed_dim=128 --set vision_heads=4
 TOWER_SEED ?= 0
 TASK_SAMPLES := 1500
 EVAL_LIMIT := 200
@@ -75,6 +76,8 @@ ONE := $(BIN)/python scripts/make_shards.py --synthetic scenes_chat --option max
 LOOK := --option types=colour,shape,position
 # The shards stages 1 and 2 train on (made beside stage 0 instead, on 2 cores, the demo took 6 s longer).
 demo-shards: venv
+	test -f $(DEMO_DATA)/look_colour/train/manifest.json || $(ONE) --option types=colour \
+		--option object_size=0.45,0.95 --out $(DEMO_DATA)/look_colour --num-samples 4000 --seed 4
 	test -f $(DEMO_DATA)/look/train/manifest.json || $(ONE) $(LOOK) --option object_size=0.45,0.95 \
 		--out $(DEMO_DATA)/look --num-samples 12000 --seed 0
 	test -f $(DEMO_DATA)/look_small/train/manifest.json || $(ONE) $(LOOK) \
@@ -92,8 +95,11 @@ demo: venv demo-shards
 		--eval-shards $(DEMO_DATA)/vision/eval --steps $(TOWER_STEPS) --batch-size 32 --eval-every $(TOWER_STEPS) \
 		--log-every 100 $(TOWER_SET) --threads 2 --seed $(TOWER_SEED) \
 		--out $(DEMO_RUN)/tower/tower.safetensors
-	$(DS) --config scripts/configs/stage1.yaml --out $(DEMO_RUN)/stage1 --set 'data.shards=[$(DEMO_DATA)/look/train]' \
+	$(DS) --config scripts/configs/stage1_colour.yaml --out $(DEMO_RUN)/stage1_colour \
+		--set 'data.shards=[$(DEMO_DATA)/look_colour/train]' \
 		--set model.overrides.vision_weights=$(DEMO_RUN)/tower/tower.safetensors $(STAGE1_SET)
+	$(DS) --config scripts/configs/stage1.yaml --out $(DEMO_RUN)/stage1 --set model.init_from=$(DEMO_RUN)/stage1_colour/hf \
+		--set 'data.shards=[$(DEMO_DATA)/look/train]'
 	$(DS) --config $(STAGE2) --out $(DEMO_RUN)/stage2 --set model.init_from=$(DEMO_RUN)/stage1/hf \
 		--set 'data.shards=[$(STAGE2_SHARDS)]' --set 'data.eval_shards=[$(DEMO_DATA)/tasks/eval]' $(STAGE2_SET)
 	$(BIN)/python scripts/r_report.py $(DEMO_RUN)/stage2
@@ -107,10 +113,10 @@ demo: venv demo-shards
 	$(BIN)/python scripts/score_table.py $(DEMO_RUN)/eval --tasks-dir $(EVAL_DIR)
 	$(BIN)/python scripts/show_concepts.py --model $(DEMO_RUN)/stage2/hf --shards '$(DEMO_DATA)/tasks/eval/*.tar' \
 		--index 0 --out $(DEMO_RUN)/concepts.png --html
-	@echo "shards:        $(DEMO_DATA)/{vision,look,look_small,one,tasks}/{train,eval} (manifest.json in each)"
+	@echo "shards:        $(DEMO_DATA)/{vision,look_colour,look,look_small,one,tasks}/{train,eval} (manifest.json in each)"
 	@echo "tower:         $(DEMO_RUN)/tower/tower.safetensors (stage 0; .json: settings, held-out R-precision)"
-	@echo "metrics:       $(DEMO_RUN)/stage{1,2}/metrics.jsonl (TensorBoard: tb/ beside them)"
-	@echo "HF exports:    $(DEMO_RUN)/stage{1,2}/hf (AutoProcessor / AutoModelForImageTextToText, pipeline)"
+	@echo "metrics:       $(DEMO_RUN)/stage{1_colour,1,2}/metrics.jsonl (TensorBoard: tb/ beside them)"
+	@echo "HF exports:    $(DEMO_RUN)/stage{1_colour,1,2}/hf (AutoProcessor / AutoModelForImageTextToText, pipeline)"
 	@echo "R report:      $(DEMO_RUN)/stage2/r_report.json, .png"
 	@echo "lmms-eval:     $(DEMO_RUN)/eval (results, samples, R per task: r_report.json / .png)"
 	@echo "scores:        $(DEMO_RUN)/eval/score_table.md (score, chance, eval-mode R total / text / image)"

@@ -1,8 +1,8 @@
 """The shipped recipe's stages (as ``make demo`` runs them) end to end at toy size: stage 0 pretrains the tower on
-caption words (``scripts/pretrain_vision.py --objective multilabel``, the tower ``stage1.yaml`` names), stage 1
-(``scripts/configs/stage1.yaml``) loads it, frozen, with its summary pool, and trains on one-object colour / shape
-/ position questions written with the generator's options, stage 2 (``stage2.yaml``) starts from stage 1's HF
-export with the tower still as pretrained; ``stage2_long.yaml`` validates."""
+caption words (``scripts/pretrain_vision.py --objective multilabel``, the tower ``stage1_colour.yaml`` names),
+stage 1a (``scripts/configs/stage1_colour.yaml``) loads it, frozen, with its summary pool, and trains on one-object
+questions written with the generator's options, stage 1b (``stage1.yaml``) and stage 2 (``stage2.yaml``) each start
+from the HF export before them with the tower still as pretrained; ``stage2_long.yaml`` validates."""
 
 import json
 import subprocess
@@ -57,8 +57,8 @@ def test_stage1_then_stage2_train_and_export_at_toy_size(tmp_path):
         generator_options={"max_objects": 1},
     )
     tower = tmp_path / "tower.safetensors"
-    overrides = load_config(str(CONFIGS / "stage1.yaml"))["model"]["overrides"]
-    stage1_tower = {k: v for k, v in overrides.items() if k in TOWER_FIELDS}  # stage 0 builds the tower stage 1 loads
+    overrides = load_config(str(CONFIGS / "stage1_colour.yaml"))["model"]["overrides"]
+    stage1_tower = {k: v for k, v in overrides.items() if k in TOWER_FIELDS}  # stage 0 builds the tower stage 1a loads
     assert stage1_tower["vision_stem"] == "conv" and overrides["vision_summary"] is True
     cmd = [
         sys.executable,
@@ -79,7 +79,8 @@ def test_stage1_then_stage2_train_and_export_at_toy_size(tmp_path):
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    stage("stage1.yaml", tmp_path / "stage1", shards, f"model.overrides.vision_weights={tower}")
+    stage("stage1_colour.yaml", tmp_path / "stage1_colour", shards, f"model.overrides.vision_weights={tower}")
+    stage("stage1.yaml", tmp_path / "stage1", shards, f"model.init_from={tmp_path / 'stage1_colour' / 'hf'}")
     stage(
         "stage2.yaml",
         tmp_path / "stage2",
@@ -92,7 +93,7 @@ def test_stage1_then_stage2_train_and_export_at_toy_size(tmp_path):
     assert [s["step"] for s in steps if "loss" in s] == [1, 2] and any("eval_loss" in s for s in steps)
     assert load_config(str(CONFIGS / "stage2_long.yaml"))["train"]["max_steps"] == 1000
     pretrained = load_file(str(tower))
-    for name in ("stage1", "stage2"):  # the tower each stage exports is stage 0's (summary pool too), untouched
+    for name in ("stage1_colour", "stage1", "stage2"):  # each stage exports stage 0's tower and pool, untouched
         exported = ConceptMoEVLM.from_pretrained(str(tmp_path / name / "hf")).vision_tower.state_dict()
         assert len(exported) == len(pretrained), name
         for k, v in pretrained.items():
