@@ -62,7 +62,7 @@ TOWER_STEPS ?= 1600
 # STAGE1_SET="--set model.overrides.vision_embed_dim=64 --set model.overrides.vision_heads=2"
 TOWER_SET ?= --set 'vision_stem="conv"' --set vision_embed_dim=128 --set vision_heads=4
 TOWER_SEED ?= 0
-TASK_SAMPLES := 1500
+TASK_SAMPLES := 1000
 EVAL_LIMIT := 200
 EVAL_TASKS := cmoe_sceneqa_one,cmoe_sceneqa,cmoe_refloc,cmoe_niah,cmoe_longdoc
 # The task definitions plus their generated data (data/ is git-ignored), relative to the repository root.
@@ -98,8 +98,8 @@ demo: venv demo-shards
 	$(DS) --config scripts/configs/stage1_colour.yaml --out $(DEMO_RUN)/stage1_colour \
 		--set 'data.shards=[$(DEMO_DATA)/look_colour/train]' \
 		--set model.overrides.vision_weights=$(DEMO_RUN)/tower/tower.safetensors $(STAGE1_SET)
-	$(DS) --config scripts/configs/stage1.yaml --out $(DEMO_RUN)/stage1 --set model.init_from=$(DEMO_RUN)/stage1_colour/hf \
-		--set 'data.shards=[$(DEMO_DATA)/look/train]'
+	$(DS) --config scripts/configs/stage1.yaml --out $(DEMO_RUN)/stage1 \
+		--set model.init_from=$(DEMO_RUN)/stage1_colour/hf --set 'data.shards=[$(DEMO_DATA)/look/train]'
 	$(DS) --config $(STAGE2) --out $(DEMO_RUN)/stage2 --set model.init_from=$(DEMO_RUN)/stage1/hf \
 		--set 'data.shards=[$(STAGE2_SHARDS)]' --set 'data.eval_shards=[$(DEMO_DATA)/tasks/eval]' $(STAGE2_SET)
 	$(BIN)/python scripts/r_report.py $(DEMO_RUN)/stage2
