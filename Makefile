@@ -51,17 +51,18 @@ STAGE2 := scripts/configs/stage2.yaml
 # The stages train on the shards made under $(DEMO_DATA) (the YAMLs' own shard lists name data/demo).
 STAGE2_SHARDS = $(DEMO_DATA)/tasks/train,$(DEMO_DATA)/one/train,$(DEMO_DATA)/look_small/train
 # Extra `--set` overrides for stage 1a, which builds the model, and stage 2 (stages 1b and 2 inherit the model from
-# the export before them), e.g. make demo STAGE1_SET="--set train.seed=1" STAGE2_SET="--set train.seed=1"
+# the export before them), e.g. make demo STAGE2_SET="--set train.max_steps=550"; a second seed: make demo SEED=1
 STAGE1_SET ?=
 STAGE2_SET ?=
 # Stage 0: the tower learns every attribute a caption names (scripts/pretrain_vision.py --objective multilabel);
-# its steps and seed (the stages after it take `--set train.seed=N` through STAGE1_SET / STAGE2_SET).
+# its steps. SEED seeds every stage (stage 0's --seed, train.seed of the others; TOWER_SEED: stage 0's alone).
+SEED ?= 0
 TOWER_STEPS ?= 1600
 # The tower's architecture (stage 1a must build the same: stage1_colour.yaml's model.overrides, or STAGE1_SET), e.g.
 # the preset's narrower tower of docs/seeing.md: make demo TOWER_SET="--set 'vision_stem=\"conv\"'"
 # STAGE1_SET="--set model.overrides.vision_embed_dim=64 --set model.overrides.vision_heads=2"
 TOWER_SET ?= --set 'vision_stem="conv"' --set vision_embed_dim=128 --set vision_heads=4
-TOWER_SEED ?= 0
+TOWER_SEED ?= $(SEED)
 TASK_SAMPLES := 1000
 EVAL_LIMIT := 200
 EVAL_TASKS := cmoe_sceneqa_one,cmoe_sceneqa,cmoe_refloc,cmoe_niah,cmoe_longdoc
@@ -97,11 +98,13 @@ demo: venv demo-shards
 		--out $(DEMO_RUN)/tower/tower.safetensors
 	$(DS) --config scripts/configs/stage1_colour.yaml --out $(DEMO_RUN)/stage1_colour \
 		--set 'data.shards=[$(DEMO_DATA)/look_colour/train]' \
-		--set model.overrides.vision_weights=$(DEMO_RUN)/tower/tower.safetensors $(STAGE1_SET)
+		--set model.overrides.vision_weights=$(DEMO_RUN)/tower/tower.safetensors --set train.seed=$(SEED) $(STAGE1_SET)
 	$(DS) --config scripts/configs/stage1.yaml --out $(DEMO_RUN)/stage1 \
-		--set model.init_from=$(DEMO_RUN)/stage1_colour/hf --set 'data.shards=[$(DEMO_DATA)/look/train]'
+		--set model.init_from=$(DEMO_RUN)/stage1_colour/hf --set 'data.shards=[$(DEMO_DATA)/look/train]' \
+		--set train.seed=$(SEED)
 	$(DS) --config $(STAGE2) --out $(DEMO_RUN)/stage2 --set model.init_from=$(DEMO_RUN)/stage1/hf \
-		--set 'data.shards=[$(STAGE2_SHARDS)]' --set 'data.eval_shards=[$(DEMO_DATA)/tasks/eval]' $(STAGE2_SET)
+		--set 'data.shards=[$(STAGE2_SHARDS)]' --set 'data.eval_shards=[$(DEMO_DATA)/tasks/eval]' \
+		--set train.seed=$(SEED) $(STAGE2_SET)
 	$(BIN)/python scripts/r_report.py $(DEMO_RUN)/stage2
 	test -f $(EVAL_DIR)/cmoe_sceneqa_one/data/test.jsonl || $(BIN)/python scripts/make_eval_data.py \
 		--out $(EVAL_DIR) --longdoc-pages 1,4 --longdoc-per-bucket 50 --niah-lengths short --niah-per-bucket 100 \
