@@ -37,10 +37,10 @@ test: venv
 # The main job, end to end on CPU: synthetic shards -> stage 0 (the vision tower alone learns the words of one-object
 # scene captions as labels: scripts/pretrain_vision.py --objective multilabel, conv stem, 128 wide) -> stage 1a (the
 # language model and projector, tower frozen, on the colour of one large object: colour first, docs/seeing.md) ->
-# stage 1b (from 1a's export: colour / shape / position questions about one large object: learn to look; every image
-# token also carries the image's summary from stage 0's pool: vision_summary) -> stage
-# 2 (all but the tower, at a lower lr: the eval tasks' conversations, one-object scenes of every size and question
-# type, and more colour / shape / position questions on small single objects, loss on the answers) with 2-process
+# stage 1b (from 1a's export: colour / shape / position questions about one object, large or small: learn to look;
+# every image token also carries the image's summary from stage 0's pool: vision_summary) -> stage 2 (all but the
+# tower, at a lower lr: the eval tasks' conversations, one-object scenes of every size and question type, and more
+# colour / shape / position questions on small single objects, loss on the answers) with 2-process
 # DeepSpeed -> HF exports -> per-modality R report -> lmms-eval on the five local tasks through the conceptmoe plugin
 # (chat template) -> per-task R report -> score table (score, chance, R per modality) -> the concepts of one held-out
 # sample (scripts/show_concepts.py: runs/demo/concepts.png, .html).
@@ -100,7 +100,8 @@ demo: venv demo-shards
 		--set 'data.shards=[$(DEMO_DATA)/look_colour/train]' \
 		--set model.overrides.vision_weights=$(DEMO_RUN)/tower/tower.safetensors --set train.seed=$(SEED) $(STAGE1_SET)
 	$(DS) --config scripts/configs/stage1.yaml --out $(DEMO_RUN)/stage1 \
-		--set model.init_from=$(DEMO_RUN)/stage1_colour/hf --set 'data.shards=[$(DEMO_DATA)/look/train]' \
+		--set model.init_from=$(DEMO_RUN)/stage1_colour/hf \
+		--set 'data.shards=[$(DEMO_DATA)/look/train,$(DEMO_DATA)/look_small/train]' \
 		--set train.seed=$(SEED)
 	$(DS) --config $(STAGE2) --out $(DEMO_RUN)/stage2 --set model.init_from=$(DEMO_RUN)/stage1/hf \
 		--set 'data.shards=[$(STAGE2_SHARDS)]' --set 'data.eval_shards=[$(DEMO_DATA)/tasks/eval]' \

@@ -2,9 +2,11 @@
 caption words (``scripts/pretrain_vision.py --objective multilabel``, the tower ``stage1_colour.yaml`` names),
 stage 1a (``scripts/configs/stage1_colour.yaml``) loads it, frozen, with its summary pool, and trains on one-object
 questions written with the generator's options, stage 1b (``stage1.yaml``) and stage 2 (``stage2.yaml``) each start
-from the HF export before them with the tower still as pretrained; ``stage2_long.yaml`` validates."""
+from the HF export before them with the tower still as pretrained; ``stage2_long.yaml`` validates. The shard lists
+the YAMLs name are the ones ``make demo`` makes and passes to each stage."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -98,3 +100,15 @@ def test_stage1_then_stage2_train_and_export_at_toy_size(tmp_path):
         assert len(exported) == len(pretrained), name
         for k, v in pretrained.items():
             assert torch.equal(exported[k if k.startswith("summary_pool.") else "model." + k], v), (name, k)
+
+
+def test_make_demo_passes_each_stage_its_yaml_shards_and_makes_them():
+    makefile = (ROOT / "Makefile").read_text().replace("$(DEMO_DATA)", "data/demo")
+    made = set(re.findall(r"--out data/demo/(\w+)", makefile))
+    stage2 = re.search(r"^STAGE2_SHARDS = (\S+)$", makefile, re.M).group(1).split(",")
+    for name in ("stage1_colour.yaml", "stage1.yaml", "stage2.yaml"):
+        data = load_config(str(CONFIGS / name))["data"]
+        passed = re.search(rf"--config scripts/configs/{name} .*?--set 'data\.shards=\[([^\]]*)\]'", makefile, re.S)
+        assert (passed.group(1).split(",") if passed else stage2) == data["shards"], name
+        for shard in data["shards"] + (data.get("eval_shards") or []):
+            assert shard.startswith("data/demo/") and shard.split("/")[2] in made, (name, shard)
