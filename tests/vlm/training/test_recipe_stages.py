@@ -105,10 +105,15 @@ def test_stage1_then_stage2_train_and_export_at_toy_size(tmp_path):
 def test_make_demo_passes_each_stage_its_yaml_shards_and_makes_them():
     makefile = (ROOT / "Makefile").read_text().replace("$(DEMO_DATA)", "data/demo")
     made = set(re.findall(r"--out data/demo/(\w+)", makefile))
-    stage2 = re.search(r"^STAGE2_SHARDS = (\S+)$", makefile, re.M).group(1).split(",")
-    for name in ("stage1_colour.yaml", "stage1.yaml", "stage2.yaml"):
-        data = load_config(str(CONFIGS / name))["data"]
-        passed = re.search(rf"--config scripts/configs/{name} .*?--set 'data\.shards=\[([^\]]*)\]'", makefile, re.S)
-        assert (passed.group(1).split(",") if passed else stage2) == data["shards"], name
+    stage2 = re.search(r"^STAGE2_SHARDS = (\S+)$", makefile, re.M).group(1)
+    configs = {"scripts/configs/stage1_colour.yaml", "scripts/configs/stage1.yaml", "$(STAGE2)"}
+    passed = {}  # each `$(DS)` command of the demo recipe: its --config -> the shard list it passes
+    for command in makefile.split("$(DS) ")[1:]:
+        shards = re.search(r"--set 'data\.shards=\[([^\]]*)\]'", command).group(1)
+        passed[re.match(r"--config (\S+)", command).group(1)] = shards.replace("$(STAGE2_SHARDS)", stage2).split(",")
+    assert set(passed) == configs
+    for config, shards in passed.items():
+        data = load_config(str(ROOT / config.replace("$(STAGE2)", "scripts/configs/stage2.yaml")))["data"]
+        assert shards == data["shards"], config
         for shard in data["shards"] + (data.get("eval_shards") or []):
-            assert shard.startswith("data/demo/") and shard.split("/")[2] in made, (name, shard)
+            assert shard.startswith("data/demo/") and shard.split("/")[2] in made, (config, shard)
