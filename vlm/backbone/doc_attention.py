@@ -203,9 +203,19 @@ def verify_flex(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: 
     tolerance = 1e-4 if dtype == torch.float32 else 3e-2
     if not worst <= tolerance:
         raise FlexAttentionError(
-            f"doc attention 'flex' is wrong on this {device.type} ({dtype}, head dim {head_dim}: max |flex - loop| = "
-            f"{worst:.3g}); set {ENV_VAR}=loop (or auto)"
+            f"doc attention 'flex' is wrong on this {_device_name(device)} ({dtype}, head dim {head_dim}: "
+            f"max |flex - loop| = {worst:.3g}); set {ENV_VAR}=loop (or auto)"
         )
+
+
+def _device_name(device: torch.device) -> str:
+    """``cuda``, or ``cpu`` with the vector code inductor generated for it (``cpu, avx2 code``): the CPU kernel's
+    bugs depend on it (docs/flex_cpu.md), so a refusal says which one ran."""
+    if device.type != "cpu":
+        return device.type
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    return f"cpu, {pick_vec_isa()} code"
 
 
 @lru_cache(maxsize=1)
