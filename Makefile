@@ -44,7 +44,7 @@ test: venv
 # DeepSpeed -> HF exports -> per-modality R report -> lmms-eval on the five local tasks through the conceptmoe plugin
 # (chat template) -> per-task R report -> score table (score, chance, R per modality) -> the concepts of one held-out
 # sample (scripts/show_concepts.py: runs/demo/concepts.png, .html).
-# `make instruct-long` is the same recipe with a longer stage 2 (scripts/configs/stage2_long.yaml, ~60 min).
+# `make instruct-long` is the same recipe with a longer stage 2 (scripts/configs/stage2_long.yaml, ~50 min).
 DEMO_DATA := data/demo
 DEMO_RUN := runs/demo
 STAGE2 := scripts/configs/stage2.yaml
@@ -129,7 +129,7 @@ demo: venv demo-shards
 instruct-long: venv
 	test -f $(DEMO_DATA)/scenes_chat/train/manifest.json || $(BIN)/python scripts/make_shards.py \
 		--synthetic scenes_chat --out $(DEMO_DATA)/scenes_chat --num-samples 8000 --eval-samples 200 --seed 1
-	$(MAKE) demo DEMO_RUN=runs/instruct-long STAGE2=scripts/configs/stage2_long.yaml EVAL_LIMIT=100 \
+	$(MAKE) demo DEMO_RUN=runs/instruct-long STAGE2=scripts/configs/stage2_long.yaml \
 		STAGE2_SHARDS=$(DEMO_DATA)/tasks/train,$(DEMO_DATA)/one/train,$(DEMO_DATA)/look_small/train,$(DEMO_DATA)/scenes_chat/train
 
 # The compute-matched study (scripts/configs/study.yaml): every arm trained and evaluated as above, one table, plots
