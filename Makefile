@@ -96,6 +96,8 @@ demo: venv demo-shards
 		--eval-shards $(DEMO_DATA)/vision/eval --steps $(TOWER_STEPS) --batch-size 32 --eval-every $(TOWER_STEPS) \
 		--log-every 100 $(TOWER_SET) --threads 2 --seed $(TOWER_SEED) \
 		--out $(DEMO_RUN)/tower/tower.safetensors
+	$(BIN)/python scripts/probe_tower.py $(DEMO_RUN)/tower/tower.safetensors --threads 2 \
+		--json $(DEMO_RUN)/tower/probe.json
 	$(DS) --config scripts/configs/stage1_colour.yaml --out $(DEMO_RUN)/stage1_colour \
 		--set 'data.shards=[$(DEMO_DATA)/look_colour/train]' \
 		--set model.overrides.vision_weights=$(DEMO_RUN)/tower/tower.safetensors --set train.seed=$(SEED) $(STAGE1_SET)
@@ -118,7 +120,8 @@ demo: venv demo-shards
 	$(BIN)/python scripts/show_concepts.py --model $(DEMO_RUN)/stage2/hf --shards '$(DEMO_DATA)/tasks/eval/*.tar' \
 		--index 0 --out $(DEMO_RUN)/concepts.png --html
 	@echo "shards:        $(DEMO_DATA)/{vision,look_colour,look,look_small,one,tasks}/{train,eval} (manifest.json in each)"
-	@echo "tower:         $(DEMO_RUN)/tower/tower.safetensors (stage 0; .json: settings, held-out R-precision)"
+	@echo "tower:         $(DEMO_RUN)/tower/tower.safetensors (stage 0; .json: settings, held-out R-precision;"
+	@echo "               probe.json: what it carries, linear probes of colour / shape / position)"
 	@echo "metrics:       $(DEMO_RUN)/stage{1_colour,1,2}/metrics.jsonl (TensorBoard: tb/ beside them)"
 	@echo "HF exports:    $(DEMO_RUN)/stage{1_colour,1,2}/hf (AutoProcessor / AutoModelForImageTextToText, pipeline)"
 	@echo "R report:      $(DEMO_RUN)/stage2/r_report.json, .png"

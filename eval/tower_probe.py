@@ -1,0 +1,141 @@
+"""Linear probes of a vision tower: which attributes of one small object its features carry.
+
+A language model can only learn to read what its image tokens hold, so before (and instead of) training a VLM on a
+tower, ask the tower: render one-object scenes at the generator's sizes (``data_pipelines.synthetic.scenes``,
+12-42% of the short side), cut them with the VLM's own ``ImageProcessor``, run the tower, and fit one multinomial
+logistic regression per attribute (colour, shape, position) on the features of ``n_train`` scenes; the held-out
+accuracy on ``n_test`` other scenes is what a linear reader gets from the tower. Two feature sets:
+
+- ``summary``: the tower's summary pool (one vector per image; present when the weights carry it, as
+  ``scripts/pretrain_vision.py`` writes them), the vector ``vision_summary`` hands every image token of the VLM;
+- ``patches``: the mean and the max of the valid patch features, concatenated (no learned pooling).
+
+Chance is the held-out share of the attribute's most common training label (the best constant answer). The scenes
+come from fixed seeds, so two towers are compared on the same pictures.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from data_pipelines.synthetic.scenes import render_scene
+from vision_tower import ImageProcessor, VisionTower
+from vlm.config import ConceptMoEVLMConfig
+
+ATTRIBUTES = ("colour", "shape", "position")
+FEATURE_SETS = ("summary", "patches")
+
+
+@dataclass
+class ProbeScore:
+    features: str  # "summary" | "patches"
+    attribute: str  # one of ATTRIBUTES
+    accuracy: float  # held-out accuracy of the linear probe
+    chance: float  # held-out accuracy of the most common training label
+    n_train: int
+    n_test: int
+
+
+def one_object_scenes(n: int, seed: int, object_size: tuple[float, float] | None = None) -> tuple[list, list[dict]]:
+    """``n`` one-object scenes (PIL images) and their labels ``{attribute: word}``."""
+    rng = random.Random(seed)
+    images, labels = [], []
+    while len(images) < n:
+        image, meta = render_scene(rng, max_objects=1, object_size=object_size)
+        if meta["objects"]:  # placement never fails for one object; guard anyway
+            images.append(image)
+            labels.append({a: meta["objects"][0][a] for a in ATTRIBUTES})
+    return images, labels
+
+
+def load_tower(weights: str | Path, preset: str = "tiny", **overrides) -> VisionTower:
+    """The tower in ``weights``, its architecture read from the ``.json`` record beside it (``pretrain_vision``
+    writes one) unless ``overrides`` (the VLM config's ``vision_*`` names) say otherwise; summary pool kept when the
+    file holds one."""
+    record = Path(weights).with_suffix(".json")
+    fields = json.loads(record.read_text())["tower"] if record.exists() else {}
+    kwargs = ConceptMoEVLMConfig.from_preset(preset, **{**fields, **overrides}).tower_kwargs()
+    try:
+        return VisionTower(**{**kwargs, "summary": True}, weights=weights).eval()
+    except ValueError as err:
+        if "summary pool" not in str(err):
+            raise
+        return VisionTower(**{**kwargs, "summary": False}, weights=weights).eval()
+
+
+@torch.no_grad()
+def tower_features(
+    tower: VisionTower, images: list, max_patches: int = 64, pixel_shuffle: int = 2, batch: int = 64
+) -> dict[str, torch.Tensor]:
+    """``{"patches": [N, 2D]}`` (mean and max over valid patches) plus ``{"summary": [N, D]}`` when the tower has
+    its summary pool; images cut as the VLM's processor cuts them (``max_patches``, grid in ``pixel_shuffle``
+    blocks)."""
+    processor = ImageProcessor(tower.patch_size, max_patches, pixel_shuffle)
+    out: dict[str, list[torch.Tensor]] = {"patches": [], "summary": []}
+    for i in range(0, len(images), batch):
+        cut = processor(images[i : i + batch])
+        feats = tower(cut["patches"], cut["patch_coord"], cut["patch_valid"])
+        valid_BL1 = feats.valid_BL[..., None]
+        mean_BD = feats.features_BLD.sum(1) / valid_BL1.sum(1).clamp(min=1)
+        max_BD = feats.features_BLD.masked_fill(~valid_BL1, float("-inf")).amax(1)
+        out["patches"].append(torch.cat([mean_BD, max_BD], -1))
+        if tower.summary_pool is not None:
+            out["summary"].append(tower.summarize(feats))
+    return {name: torch.cat(parts).float() for name, parts in out.items() if parts}
+
+
+def linear_probe_accuracy(
+    x_train_ND: torch.Tensor, y_train: list[str], x_test_ND: torch.Tensor, y_test: list[str], l2: float = 1e-3
+) -> float:
+    """Held-out accuracy of a multinomial logistic regression (standardised features, L2 ``l2``, L-BFGS)."""
+    classes = sorted(set(y_train))
+    index = {c: i for i, c in enumerate(classes)}
+    mean_D, std_D = x_train_ND.mean(0), x_train_ND.std(0).clamp(min=1e-6)
+    xs, xt = (x_train_ND - mean_D) / std_D, (x_test_ND - mean_D) / std_D
+    target_N = torch.tensor([index[y] for y in y_train])
+    weight_DC = torch.zeros(xs.shape[1], len(classes), requires_grad=True)
+    bias_C = torch.zeros(len(classes), requires_grad=True)
+    opt = torch.optim.LBFGS([weight_DC, bias_C], max_iter=200, history_size=20, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(xs @ weight_DC + bias_C, target_N) + l2 * weight_DC.pow(2).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    with torch.no_grad():
+        predicted = (xt @ weight_DC + bias_C).argmax(-1).tolist()
+    return sum(classes[p] == y for p, y in zip(predicted, y_test, strict=True)) / len(y_test)
+
+
+def probe_tower(
+    tower: VisionTower, n_train: int = 2000, n_test: int = 500, seed: int = 0, max_patches: int = 64
+) -> list[ProbeScore]:
+    """One :class:`ProbeScore` per feature set and attribute (train scenes from ``seed``, test from ``seed + 1``)."""
+    train_images, train_labels = one_object_scenes(n_train, seed)
+    test_images, test_labels = one_object_scenes(n_test, seed + 1)
+    train_feats = tower_features(tower, train_images, max_patches)
+    test_feats = tower_features(tower, test_images, max_patches)
+    scores = []
+    for features in FEATURE_SETS:
+        if features not in train_feats:
+            continue
+        for attribute in ATTRIBUTES:
+            y_train = [label[attribute] for label in train_labels]
+            y_test = [label[attribute] for label in test_labels]
+            majority = Counter(y_train).most_common(1)[0][0]
+            accuracy = linear_probe_accuracy(train_feats[features], y_train, test_feats[features], y_test)
+            chance = sum(y == majority for y in y_test) / len(y_test)
+            scores.append(ProbeScore(features, attribute, accuracy, chance, n_train, n_test))
+    return scores
+
+
+def scores_json(scores: list[ProbeScore]) -> list[dict]:
+    return [asdict(s) for s in scores]

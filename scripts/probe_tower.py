@@ -1,0 +1,66 @@
+"""What does a vision tower carry? Linear probes of colour, shape and position of one small object.
+
+    python scripts/probe_tower.py runs/demo/tower/tower.safetensors [--train 2000] [--test 500] [--json out.json]
+
+The tower's architecture is read from the ``.json`` record ``scripts/pretrain_vision.py`` writes beside its weights
+(``--set FIELD=JSON`` overrides it, e.g. for a file without one). Prints one line per feature set (the summary pool,
+and the mean / max of the patch features) with held-out accuracy and chance per attribute (``eval/tower_probe.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from eval.tower_probe import load_tower, probe_tower, scores_json
+from vlm.training.vision_pretraining import TOWER_FIELDS
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("weights", help="a tower's .safetensors (scripts/pretrain_vision.py --out)")
+    p.add_argument("--preset", default="tiny", help="the VLM preset the tower's unrecorded fields come from")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=JSON", help="a tower field (repeatable)")
+    p.add_argument("--train", type=int, default=2000, help="scenes the probes are fitted on")
+    p.add_argument("--test", type=int, default=500, help="held-out scenes they are scored on")
+    p.add_argument("--seed", type=int, default=0, help="scene seed (train: seed, test: seed + 1)")
+    p.add_argument("--max-patches", type=int, default=64, help="the image budget the VLM reads the tower at")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    p.add_argument("--json", help="also write the scores here")
+    args = p.parse_args(argv)
+    overrides = {}
+    for item in args.set:
+        name, sep, value = item.partition("=")
+        if not sep or name not in TOWER_FIELDS:
+            p.error(f"--set {item!r}: expected FIELD=JSON with FIELD one of {', '.join(TOWER_FIELDS)}")
+        overrides[name] = json.loads(value)
+    if args.train < 2 or args.test < 1:
+        p.error("--train must be >= 2 and --test >= 1")
+    if not Path(args.weights).is_file():
+        print(f"probe_tower: no such file {args.weights!r}", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t0 = time.time()
+    try:
+        tower = load_tower(args.weights, args.preset, **overrides)
+    except (ValueError, RuntimeError) as err:
+        print(f"probe_tower: {args.weights}: {err}", file=sys.stderr)
+        return 2
+    scores = probe_tower(tower, args.train, args.test, args.seed, args.max_patches)
+    for features in dict.fromkeys(s.features for s in scores):
+        row = [f"{s.attribute} {s.accuracy:.3f} (chance {s.chance:.3f})" for s in scores if s.features == features]
+        print(f"{features}: " + ", ".join(row))
+    print(f"probe_tower: {args.train} + {args.test} scenes, {time.time() - t0:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(scores_json(scores), indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

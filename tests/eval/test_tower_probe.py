@@ -1,0 +1,91 @@
+"""Linear probes of a vision tower (``eval/tower_probe.py``, ``scripts/probe_tower.py``): the probe finds what is
+linearly there and nothing that is not, features ignore padding, labels stay aligned with their pictures, and a
+tower file is rebuilt from the record beside it."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eval.tower_probe import linear_probe_accuracy, load_tower, one_object_scenes, probe_tower, tower_features
+from vision_tower import VisionTower
+from vlm.config import ConceptMoEVLMConfig
+from vlm.training.vision_pretraining import write_tower
+
+TOWER = {"vision_embed_dim": 32, "vision_depth": 1, "vision_heads": 2, "vision_stem": "conv"}
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "probe_tower.py"
+
+
+def tiny_tower(seed: int = 0) -> VisionTower:
+    torch.manual_seed(seed)
+    kwargs = ConceptMoEVLMConfig.from_preset("tiny", **TOWER).tower_kwargs()
+    return VisionTower(**{**kwargs, "summary": True}).eval()
+
+
+def test_linear_probe_reads_a_linear_label_and_not_noise():
+    gen = torch.Generator().manual_seed(0)
+    x_ND = torch.randn(600, 12, generator=gen)
+    words = ["a", "b", "c"]
+    y = [words[i] for i in torch.bucketize(x_ND[:, 3] * 2 + x_ND[:, 7], torch.tensor([-1.0, 1.0])).tolist()]
+    assert linear_probe_accuracy(x_ND[:400], y[:400], x_ND[400:], y[400:]) > 0.9
+    noise = [words[i] for i in torch.randint(0, 3, (600,), generator=gen).tolist()]
+    assert linear_probe_accuracy(x_ND[:400], noise[:400], x_ND[400:], noise[400:]) < 0.5  # chance 1/3
+
+
+def test_features_of_an_image_do_not_depend_on_its_batch():
+    tower = tiny_tower()
+    images, _ = one_object_scenes(6, seed=3)
+    alone = tower_features(tower, images[:1])
+    batched = tower_features(tower, images, batch=6)  # other canvas sizes: the first image's row is padded
+    assert set(alone) == {"patches", "summary"} and batched["patches"].shape == (6, 2 * TOWER["vision_embed_dim"])
+    for name in alone:
+        torch.testing.assert_close(batched[name][:1], alone[name], atol=1e-5, rtol=1e-4)
+
+
+def test_a_random_conv_tower_carries_colour_and_the_labels_follow_their_pictures():
+    scores = {(s.features, s.attribute): s for s in probe_tower(tiny_tower(), n_train=300, n_test=150)}
+    colour = scores["patches", "colour"]
+    assert colour.accuracy > colour.chance + 0.3  # the colour of the object's pixels is linear in the patches
+    images, labels = one_object_scenes(3, seed=0)
+    again_images, again_labels = one_object_scenes(3, seed=0)
+    assert labels == again_labels and all(a.tobytes() == b.tobytes() for a, b in zip(images, again_images))
+    assert all(set(label) == {"colour", "shape", "position"} for label in labels)
+
+
+def test_a_tower_file_is_rebuilt_from_its_record_with_or_without_its_summary_pool(tmp_path):
+    tower = tiny_tower(1)
+    out = tmp_path / "tower.safetensors"
+    fields = {"vision_model": "naflexvit_base_patch16_gap", "patch_size": 16, "vision_pos_embed": None, **TOWER}
+    write_tower(out, tower, {"tower": fields})
+    images, _ = one_object_scenes(2, seed=5)
+    loaded = load_tower(out)
+    for name, value in tower_features(tower, images).items():
+        torch.testing.assert_close(tower_features(loaded, images)[name], value)
+    timm_only = tmp_path / "timm_only.safetensors"
+    save_file({k: v for k, v in load_file(str(out)).items() if not k.startswith("summary_pool.")}, str(timm_only))
+    timm_only.with_suffix(".json").write_text(json.dumps({"tower": fields}))
+    assert set(tower_features(load_tower(timm_only), images)) == {"patches"}
+
+
+def test_probe_script_prints_one_line_per_feature_set_and_refuses_bad_input(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("probe_tower", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "tower.safetensors"
+    write_tower(out, tiny_tower(), {"tower": TOWER})
+    assert script.main([str(out), "--train", "40", "--test", "20", "--json", str(tmp_path / "p.json")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines[:2]] == ["summary", "patches"] and "chance" in lines[0]
+    assert len(json.loads((tmp_path / "p.json").read_text())) == 6
+    assert script.main([str(tmp_path / "missing.safetensors")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        script.main([str(out), "--set", "depth=3"])
+    capsys.readouterr()
+    narrower = tmp_path / "narrow.safetensors"
+    write_tower(narrower, tiny_tower(), {"tower": {**TOWER, "vision_embed_dim": 64, "vision_heads": 4}})
+    assert script.main([str(narrower), "--train", "4", "--test", "2"]) == 2  # weights that do not fit the record
+    assert capsys.readouterr().err.count("\n") == 1
