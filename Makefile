@@ -54,10 +54,11 @@ STAGE2_SHARDS = $(DEMO_DATA)/tasks/train,$(DEMO_DATA)/one/train,$(DEMO_DATA)/loo
 # the export before them), e.g. make demo STAGE2_SET="--set train.max_steps=550"; a second seed: make demo SEED=1
 STAGE1_SET ?=
 STAGE2_SET ?=
-# Stage 0: the tower learns every attribute a caption names (scripts/pretrain_vision.py --objective multilabel);
+# Stage 0: the tower learns every attribute a caption names (scripts/pretrain_vision.py --objective multilabel, two
+# single-threaded processes under torchrun: 25% faster than one process with two threads);
 # its steps. SEED seeds every stage (stage 0's --seed, train.seed of the others; TOWER_SEED: stage 0's alone).
 SEED ?= 0
-TOWER_STEPS ?= 1600
+TOWER_STEPS ?= 2400
 # The tower's architecture (stage 1a must build the same: stage1_colour.yaml's model.overrides, or STAGE1_SET), e.g.
 # the preset's narrower tower of docs/seeing.md: make demo TOWER_SET="--set 'vision_stem=\"conv\"'"
 # STAGE1_SET="--set model.overrides.vision_embed_dim=64 --set model.overrides.vision_heads=2"
@@ -92,9 +93,9 @@ demo: venv demo-shards
 	test -f $(DEMO_DATA)/vision/train/manifest.json || $(BIN)/python scripts/make_shards.py --synthetic scenes \
 		--option max_objects=1 --option object_size=0.12,0.95 --out $(DEMO_DATA)/vision --num-samples 6000 --seed 3
 	rm -rf $(DEMO_RUN)
-	$(BIN)/python scripts/pretrain_vision.py --objective multilabel --shards $(DEMO_DATA)/vision/train \
-		--eval-shards $(DEMO_DATA)/vision/eval --steps $(TOWER_STEPS) --batch-size 32 --eval-every $(TOWER_STEPS) \
-		--log-every 100 $(TOWER_SET) --threads 2 --seed $(TOWER_SEED) \
+	$(BIN)/torchrun --standalone --nproc_per_node 2 scripts/pretrain_vision.py --objective multilabel \
+		--shards $(DEMO_DATA)/vision/train --eval-shards $(DEMO_DATA)/vision/eval --steps $(TOWER_STEPS) \
+		--batch-size 32 --eval-every $(TOWER_STEPS) --log-every 100 $(TOWER_SET) --threads 1 --seed $(TOWER_SEED) \
 		--out $(DEMO_RUN)/tower/tower.safetensors
 	$(BIN)/python scripts/probe_tower.py $(DEMO_RUN)/tower/tower.safetensors --threads 2 \
 		--json $(DEMO_RUN)/tower/probe.json

@@ -12,6 +12,10 @@ as the VLM's processor cuts them (``--max-patches``, ``--pixel-shuffle``). The o
 from it with ``--set model.overrides.vision_weights=PATH`` or the run YAML's ``model.overrides``. An existing
 ``--out`` is refused before training unless ``--overwrite``; the file is written whole or not at all. The logic is
 ``vlm.training.vision_pretraining``; docs/seeing.md measures what it buys.
+
+On several CPU cores, run one single-threaded process per core (data parallel, the same batches as one process):
+
+    torchrun --standalone --nproc_per_node 2 scripts/pretrain_vision.py --threads 1 ...
 """
 
 from __future__ import annotations
@@ -68,6 +72,9 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"pretrain_vision: {err}", file=sys.stderr)
         return 2
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     return 0
 
 

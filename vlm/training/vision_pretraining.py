@@ -9,6 +9,13 @@ with AdamW (warmup then cosine), scores the held-out pairs and writes the tower'
 pool (the attention pool every objective reads) as ``.safetensors`` (``ConceptMoEVLMConfig.vision_weights`` loads
 it; ``vision_summary`` keeps the pool) with a ``.json`` record beside it.
 
+Launched as several processes (``torchrun --standalone --nproc_per_node N``, or any launcher that sets ``RANK`` /
+``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT``), the ranks join a gloo process group and split every global
+batch of ``batch_size`` pairs between them (data parallel: one all-reduce averages the gradients each step): the
+same batches, in the same order, as one process, so the same tower up to floating-point summation order. Rank 0
+logs, evaluates and writes. On a CPU this is the fast way to use several cores: one thread per process scales where
+one process's threads do not (the convolution stem's backward pass barely speeds up with a second thread).
+
 Any webdataset shards whose samples hold an image and text work (this toolkit's caption samples, img2dataset's
 image + caption pairs): a sample's first image is paired with all its text. Conversations, samples without an image
 or without text (``missing_field``), unreadable images and broken shards are skipped and counted by kind when the
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import time
 from collections import Counter
@@ -27,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import save_file
 
 from data_pipelines.schema import SkipSample, decode_sample, open_image
@@ -89,7 +98,60 @@ class VisionPretrainConfig:
             raise ValueError(f"objective must be one of {list(OBJECTIVES)}, got {self.objective!r}")
         if self.batch_size < 2 or self.steps < 1 or self.warmup < 1:
             raise ValueError("batch_size must be >= 2, steps >= 1 and warmup >= 1")
+        world = world_size()
+        if self.batch_size % world or self.batch_size // world < 2:
+            raise ValueError(f"batch_size {self.batch_size} must split into {world} processes' batches of >= 2 pairs")
         self.tower_config()
+
+
+def world_size() -> int:
+    """The launcher's ``WORLD_SIZE`` (1 without a launcher)."""
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        world = 0
+    if world < 1:
+        raise ValueError(f"WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} must be a positive integer")
+    return world
+
+
+def join_processes() -> tuple[int, int]:
+    """(rank, world): with ``WORLD_SIZE`` > 1, this process joins the launcher's gloo process group."""
+    world = world_size()
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return (dist.get_rank() if world > 1 else 0), world
+
+
+def all_agree(ok: bool, world: int) -> bool:
+    """True when ``ok`` holds on every rank (one tiny all-reduce; ``ok`` itself alone)."""
+    if world == 1:
+        return ok
+    flag = torch.tensor([int(ok)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def average_gradients(model: torch.nn.Module, world: int) -> None:
+    """Every gradient replaced by its mean over the ranks (one all-reduce of all of them, flattened). Parameters
+    the loss never reaches (timm's unused head norm) have no gradient on any rank and stay out."""
+    if world == 1:
+        return
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= world
+    for g, mean in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        g.copy_(mean.view_as(g))
+
+
+def summed_counts(counts: Counter, world: int) -> Counter:
+    """``counts`` added up over the ranks."""
+    if world == 1:
+        return counts
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, dict(counts))
+    return sum((Counter(c) for c in gathered), Counter())
 
 
 def read_pairs(shards, tokenizer, max_tokens: int, skipped: Counter, warn: Callable[[str], None] = print) -> list[Pair]:
@@ -146,9 +208,31 @@ def build_pretrainer(objective: str, tower: VisionTower, train: list[Pair], voca
     return ContrastivePretrainer(tower, vocab_size, max_caption_tokens=MAX_CAPTION_TOKENS)
 
 
+def train_step(model, opt: torch.optim.Optimizer, batch: dict, lr: float, world: int):
+    """One AdamW step at ``lr`` on this rank's share of the batch, gradients averaged over the ranks, clipped to
+    norm 1; returns the model's output."""
+    for group in opt.param_groups:
+        group["lr"] = lr
+    out = forward(model, batch)
+    opt.zero_grad(set_to_none=True)
+    out.loss.backward()
+    average_gradients(model, world)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return out
+
+
+def _quiet(line: str) -> None:
+    pass
+
+
 def pretrain_vision(cfg: VisionPretrainConfig, log: Callable[[str], None] = print) -> dict:
-    """Train, write ``cfg.out`` and its ``.json`` record, and return the record."""
+    """Train, write ``cfg.out`` and its ``.json`` record, and return the record (every rank returns it; rank 0
+    alone logs and writes)."""
     cfg.check()
+    rank, world = join_processes()
+    if rank:
+        log = _quiet  # rank 0 speaks for all
     t0 = time.time()
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
@@ -164,7 +248,9 @@ def pretrain_vision(cfg: VisionPretrainConfig, log: Callable[[str], None] = prin
         raise ValueError(f"{len(train)} image-caption pairs in the shards, fewer than batch_size {cfg.batch_size}")
     model = build_pretrainer(cfg.objective, tower, train, len(tokenizer))
     log(f"pretrain_vision: {len(train)} train / {len(held_out)} held-out pairs; skipped {dict(skipped) or 'none'}")
-
+    read_skips = Counter(skipped)  # every rank read every shard: counted once; later skips are each rank's own
+    if world > 1:
+        log(f"pretrain_vision: {world} processes, {cfg.batch_size // world} pairs each per step")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=1e-4)
     history: list[dict] = []
     order: list[int] = []
@@ -172,35 +258,33 @@ def pretrain_vision(cfg: VisionPretrainConfig, log: Callable[[str], None] = prin
         if len(order) < cfg.batch_size:
             order += rng.sample(range(len(train)), len(train))  # epochs: every pair once, in a new order
         picked, order = order[: cfg.batch_size], order[cfg.batch_size :]
-        batch = make_batch([train[i] for i in picked], processor, pad, skipped)
-        if batch is None:
+        batch = make_batch([train[i] for i in picked[rank::world]], processor, pad, skipped)
+        if not all_agree(batch is not None, world):
             continue
         lr = cfg.lr * min((step + 1) / cfg.warmup, 0.5 * (1 + math.cos(math.pi * step / cfg.steps)))
-        for group in opt.param_groups:
-            group["lr"] = lr
-        out = forward(model, batch)
-        opt.zero_grad(set_to_none=True)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        out = train_step(model, opt, batch, lr, world)
         if (step + 1) % cfg.log_every == 0 or step == 0:
             took = time.time() - t0
             score = model.batch_score(out)
             log(f"step {step + 1}/{cfg.steps} loss {out.loss.item():.4f} {model.score_name} {score:.3f} ({took:.0f} s)")
-        if held_out and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
+        if rank == 0 and held_out and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
             history.append({"step": step + 1, **evaluate(model, held_out, processor, pad, cfg.batch_size, skipped)})
             log(json.dumps(history[-1]))
 
     record = {
         "tower": fields,
         "config": asdict(cfg),
+        "processes": world,
         "pairs": {"train": len(train), "held_out": len(held_out)},
-        "skipped": dict(skipped),
+        "skipped": dict(read_skips + summed_counts(skipped - read_skips, world)),
         "eval": history,
         "seconds": round(time.time() - t0, 1),
     }
-    write_tower(Path(cfg.out), tower, record)
-    log(f"pretrain_vision: wrote {cfg.out} and {Path(cfg.out).with_suffix('.json').name}")
+    if rank == 0:
+        write_tower(Path(cfg.out), tower, record)
+        log(f"pretrain_vision: wrote {cfg.out} and {Path(cfg.out).with_suffix('.json').name}")
+    if world > 1:
+        dist.barrier()  # no rank leaves (and no caller reads cfg.out) before the file is there
     return record
 
 

@@ -7,6 +7,9 @@ The behaviour it buys (a VLM that reads shapes sooner) is measured by ``scripts/
 import importlib.util
 import io
 import json
+import os
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -15,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from data_pipelines.make_shards import make_synthetic
+from vision_tower import VisionTower
 from vlm import ConceptMoEVLM
 from vlm.training.vision_pretraining import VisionPretrainConfig, pretrain_vision
 
@@ -136,3 +140,37 @@ def test_pretrain_cli_refuses_bad_settings_in_one_line(tmp_path, capsys):
         assert says in err[-1], err
     assert script.main(["--shards", str(tmp_path / "none*.tar"), "--out", str(tmp_path / "t.safetensors")]) == 2
     assert "no shard matches" in capsys.readouterr().err
+
+
+def test_two_processes_train_the_tower_one_process_trains(tmp_path, monkeypatch):
+    """torchrun with 2 ranks splits each global batch: the same batches as one process, so the same tower up to
+    summation order; rank 0 alone writes, and the record says how many processes ran."""
+    make_synthetic(["scenes"], str(tmp_path / "shards"), num_samples=24, seed=0, generator_options={"max_objects": 1})
+    root = Path(__file__).resolve().parents[3]
+    script = str(root / "scripts" / "pretrain_vision.py")
+    common = ["--objective", "multilabel", "--shards", str(tmp_path / "shards" / "train"), "--steps", "3"]
+    common += ["--batch-size", "8", "--warmup", "1", "--threads", "1", "--lr", "0.01"]
+    common += [f"--set={k}={json.dumps(v)}" for k, v in {**TOWER, "vision_stem": "conv"}.items()]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    launch = {
+        1: [sys.executable, script],
+        2: [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script],
+    }
+    towers = {}
+    for world, cmd in launch.items():
+        out = tmp_path / f"tower{world}.safetensors"
+        proc = subprocess.run(cmd + common + ["--out", str(out)], capture_output=True, text=True, env=env, cwd=root)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert json.loads(out.with_suffix(".json").read_text())["processes"] == world
+        assert proc.stdout.count("step 1/3") == 1  # rank 0 logs for both
+        towers[world] = load_file(str(out))
+    torch.manual_seed(0)  # the tower as pretrain_vision builds it (seed 0) before any step
+    cfg = VisionPretrainConfig(shards=[], out="x.safetensors", tower={**TOWER, "vision_stem": "conv"})
+    initial = VisionTower(**{**cfg.tower_config().tower_kwargs(), "summary": True}).model.state_dict()
+    assert set(towers[1]) == set(towers[2]) and not all(torch.equal(initial[k], towers[1][k]) for k in initial)
+    for k, v in towers[1].items():
+        torch.testing.assert_close(towers[2][k], v, atol=5e-4, rtol=1e-3, msg=k)  # steps of lr 1e-2 apart if wrong
+    monkeypatch.setenv("WORLD_SIZE", "3")  # a global batch that does not split is refused before any work
+    with pytest.raises(ValueError, match="must split into 3"):
+        VisionPretrainConfig(shards=[], out=str(tmp_path / "t.safetensors"), batch_size=8).check()
