@@ -55,7 +55,7 @@ STAGE2_SHARDS = $(DEMO_DATA)/tasks/train,$(DEMO_DATA)/one/train,$(DEMO_DATA)/loo
 STAGE1_SET ?=
 STAGE2_SET ?=
 # Stage 0: the tower learns every attribute a caption names (scripts/pretrain_vision.py --objective multilabel, two
-# single-threaded processes under torchrun: 25% faster than one process with two threads);
+# single-threaded processes under torchrun: faster on 2 cores than one process with two threads);
 # its steps. SEED seeds every stage (stage 0's --seed, train.seed of the others; TOWER_SEED: stage 0's alone).
 SEED ?= 0
 TOWER_STEPS ?= 2400
