@@ -44,7 +44,7 @@ test: venv
 # DeepSpeed -> HF exports -> per-modality R report -> lmms-eval on the five local tasks through the conceptmoe plugin
 # (chat template) -> per-task R report -> score table (score, chance, R per modality) -> the concepts of one held-out
 # sample (scripts/show_concepts.py: runs/demo/concepts.png, .html).
-# `make instruct-long` is the same recipe with a longer stage 2 (scripts/configs/stage2_long.yaml, ~50 min).
+# `make instruct-long` is the same recipe with a longer stage 2 (scripts/configs/stage2_long.yaml, 50 min).
 DEMO_DATA := data/demo
 DEMO_RUN := runs/demo
 STAGE2 := scripts/configs/stage2.yaml
