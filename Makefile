@@ -14,7 +14,7 @@ export HF_DATASETS_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv test demo demo-shards instruct-long demo-backbone bench lint format clean study spatial
+.PHONY: venv test demo demo-shards instruct-long demo-backbone bench lint format clean study study-staged spatial
 
 venv: $(STAMP)
 
@@ -142,6 +142,12 @@ instruct-long: venv
 STUDY_ARGS ?=
 study: venv
 	$(BIN)/python scripts/study.py --config scripts/configs/study.yaml $(STUDY_ARGS)
+
+# The same study on `make demo`'s stages (scripts/configs/study_staged.yaml: stage 0's tower once, then every arm
+# through stages 1a, 1b and 2, scored on one-object and 1-5-object scene questions) in docs/study_staged.md
+# (~70 min on 2 CPU cores for 4 arms x 2 seeds, the tower and shards made when missing; resumes like `make study`).
+study-staged: venv
+	$(BIN)/python scripts/study.py --config scripts/configs/study_staged.yaml $(STUDY_ARGS)
 
 # Spatially aware image chunking (scripts/configs/spatial.yaml): raster against rows / snake / zorder / router2d at
 # R = 2, 3 seeds each, in docs/spatial.md with concept pictures (~75 min on 2 CPU cores; resumes like `make study`).

@@ -14,7 +14,8 @@ fields of the training YAML's ``train`` section for this arm alone (e.g. ``route
 
 The training YAML of a run is ``train_base`` verbatim plus ``model.preset: <baseline>``, ``model.overrides``
 (every field of the matched config that differs from the preset, less those the run sets itself, like
-``vocab_size``), the shards and ``train.seed``.
+``vocab_size``), the shards and ``train.seed``. A staged study (``stages``) builds the model so in its first stage
+and chains the others through their exports (``train_yaml``).
 """
 
 from __future__ import annotations
@@ -130,7 +131,8 @@ def build_arm(spec: dict, baseline: ConceptMoEConfig, chunked_defaults: dict) ->
 
 def build_arms(study: dict, specs: list[dict]) -> list[Arm]:
     """Every arm of ``specs`` (the baseline first), matched against the baseline preset."""
-    tokenizer = (study["train_base"].get("data") or {}).get("tokenizer")
+    first = (study.get("stages") or [study["train_base"]])[0]
+    tokenizer = (first.get("data") or {}).get("tokenizer")
     baseline = baseline_config(study["baseline"], tokenizer)
     return [build_arm(spec, baseline, dict(study.get("chunked_defaults") or {})) for spec in specs]
 
@@ -147,15 +149,32 @@ def format_report(arm: Arm) -> str:
     )
 
 
-def train_yaml(study: dict, arm: Arm, seed: int) -> dict:
-    """The training config of (arm, seed): ``train_base`` verbatim plus the model, shards and seed."""
-    base = copy.deepcopy(study["train_base"])
+def stage_names(study: dict) -> list[str]:
+    """The training stages of every run, in order: the config's ``stages``, then ``train`` (``train_base``)."""
+    return [s["name"] for s in study.get("stages") or ()] + ["train"]
+
+
+def train_yaml(study: dict, arm: Arm, seed: int, stage: str = "train", run: str = ".") -> dict:
+    """The training config of one stage of (arm, seed): the stage's YAML (``train_base`` for ``train``) with the
+    arm's ``train`` fields and the seed. The first stage builds the arm's model: ``model.preset`` the baseline and
+    the arm's overrides over the stage's own (a tower's settings, say); every later stage starts from the export
+    before it (``model.init_from: RUN/<previous stage>/hf``, the stage's own overrides kept: freezing, say). Shards
+    default to the study's ``data.dir`` when it is one set."""
+    names = stage_names(study)
+    index = names.index(stage)
+    base = copy.deepcopy(study["train_base"] if stage == "train" else study["stages"][index]) or {}
+    base.pop("name", None)
     data = base.setdefault("data", {})
-    shards = study["data"]["dir"]
-    data.setdefault("shards", [f"{shards}/train"])
-    data.setdefault("eval_shards", [f"{shards}/eval"])
+    if isinstance(study["data"], dict):
+        shards = study["data"]["dir"]
+        data.setdefault("shards", [f"{shards}/train"])
+        data.setdefault("eval_shards", [f"{shards}/eval"])
     base["train"] = {**(base.get("train") or {}), **arm.train, "seed": int(seed)}
-    model = {"preset": study["baseline"], "overrides": _plain(arm.overrides)}
+    own = dict((base.get("model") or {}).get("overrides") or {})
+    if index == 0:
+        model = {"preset": study["baseline"], "overrides": _plain({**own, **arm.overrides})}
+    else:
+        model = {"init_from": f"{run}/{names[index - 1]}/hf", **({"overrides": _plain(own)} if own else {})}
     return {"model": model, **{k: v for k, v in base.items() if k != "model"}}
 
 

@@ -6,6 +6,12 @@ arguments that build them when missing), ``train_base`` (the training YAML every
 verbatim: a field the trainer learns later just works), ``arms``, ``claims`` and ``quick`` (a block deep-merged over
 the rest by ``--quick``; a list replaces a list). ``{out}`` in a path is the study's output folder.
 
+A staged study (``scripts/configs/study_staged.yaml``) adds ``stages``: training YAMLs run in order before
+``train_base`` (the last stage), each starting from the export of the one before (``eval.study.arms.train_yaml``).
+Each stage, and ``train_base``, may name a shipped training YAML in ``from``: its fields are read first and the
+entry's own deep-merged over them. ``data`` is then a list of shard sets, each ``{dir, build}`` (make_shards.py
+arguments) or ``{creates, command}`` (any command, e.g. stage 0's tower, run once when its file is missing).
+
 Every fault is a one-line ``StudyConfigError`` naming the field, raised before anything runs: an arm name used
 twice, a claim that compares an arm the study does not have, an arm that does not list a claim it serves (or the
 reverse), a metric a task's YAML does not define.
@@ -157,6 +163,57 @@ def _check_eval(cfg: dict) -> None:
                 raise StudyConfigError(f"eval.main_metrics.{task}: {metric!r} is not in the task's metric_list")
 
 
+STAGE_FIELDS = ("name", "from", "model", "data", "train")
+
+
+def _read_from(entry: dict, where: str) -> dict:
+    """A training YAML entry with its ``from`` file read first and the entry's own fields merged over it."""
+    entry = dict(entry)
+    source = entry.pop("from", None)
+    if source is None:
+        return entry
+    try:
+        base = run_config.read_config(str(source))
+    except (run_config.ConfigError, OSError) as err:
+        raise StudyConfigError(f"{where}.from: {str(err).splitlines()[0]}") from None
+    return deep_merge(base, entry)
+
+
+def _check_stages(cfg: dict) -> None:
+    """``stages`` (optional): named training YAMLs run before ``train_base``; ``from`` files read."""
+    cfg["train_base"] = _read_from(cfg["train_base"], "train_base")
+    stages = cfg.setdefault("stages", [])
+    if not isinstance(stages, list):
+        raise StudyConfigError("stages must be a list of training YAMLs, each with a name")
+    names = set()
+    for i, stage in enumerate(stages):
+        name = stage.get("name") if isinstance(stage, dict) else None
+        if not isinstance(name, str) or not NAME.match(name) or name in ("train", "eval") or name in names:
+            raise StudyConfigError(f"stages[{i}]: needs a name of its own (letters, digits, '.', '_', '-'; not train)")
+        names.add(name)
+        unknown = set(stage) - set(STAGE_FIELDS)
+        if unknown:
+            raise StudyConfigError(f"stages[{i}] ({name}): unknown field {sorted(unknown)[0]!r}")
+        stages[i] = {"name": name, **_read_from({k: v for k, v in stage.items() if k != "name"}, f"stages[{i}]")}
+
+
+def _check_data(cfg: dict) -> None:
+    """``data``: one ``{dir, build}`` (the shards every stage defaults to), or a list of shard sets, each ``{dir,
+    build}`` or ``{creates, command}``; with a list every stage names its own ``data.shards``."""
+    data = cfg["data"]
+    entries = data if isinstance(data, list) else [data]
+    for i, entry in enumerate(entries):
+        where = f"data[{i}]" if isinstance(data, list) else "data"
+        ok = isinstance(entry, dict) and (set(entry) == {"dir", "build"} or set(entry) == {"creates", "command"})
+        if not ok or not isinstance(entry.get("build", entry.get("command")), list):
+            raise StudyConfigError(f"{where}: needs dir and build (make_shards.py arguments) or creates and command")
+    if isinstance(data, list):
+        for where, stage in [*((f"stages[{i}]", s) for i, s in enumerate(cfg["stages"])), ("train_base", None)]:
+            stage = cfg["train_base"] if stage is None else stage
+            if not (stage.get("data") or {}).get("shards"):
+                raise StudyConfigError(f"{where}: needs data.shards (the study's data is a list of shard sets)")
+
+
 def _fill_out(node, out: str):
     """``{out}`` in every string of ``node`` replaced by the output folder."""
     if isinstance(node, dict):
@@ -188,6 +245,8 @@ def load_study_config(path: str, sets: list[str] = (), quick: bool = False, out:
     if not isinstance(cfg["seeds"], int) or cfg["seeds"] < 1:
         raise StudyConfigError(f"seeds must be an int >= 1, got {cfg['seeds']!r}")
     _check_eval(cfg)
+    _check_stages(cfg)
+    _check_data(cfg)
     if not isinstance(cfg["arms"], list) or not cfg["arms"]:
         raise StudyConfigError("arms must be a non-empty list")
     _check_arms(cfg)

@@ -229,19 +229,22 @@ def commands_lines(data: dict, study: dict) -> list[str]:
             "folder:",
             "",
             "```",
+            *(shlex.join(cmd) for cmd in runs.get("stages") or ()),
             shlex.join(runs["train"]),
             shlex.join(runs["eval"]),
             "```",
         ]
     if data["prefill"].get("command"):
         lines += ["", "Prefill phase:", "", "```", shlex.join(data["prefill"]["command"]), "```"]
-    lines += [
-        "",
-        f"Data (built only when missing): `scripts/make_shards.py {shlex.join(study['data']['build'])} "
-        f"--out {study['data']['dir']}`; `scripts/make_eval_data.py --out {study['eval']['tasks_dir']} "
-        f"{shlex.join(study['eval']['build'])}`.",
+    data_sets = study["data"] if isinstance(study["data"], list) else [study["data"]]
+    built = [
+        f"`{shlex.join(e['command'])}`"
+        if "creates" in e
+        else f"`scripts/make_shards.py {shlex.join(e['build'])} --out {e['dir']}`"
+        for e in data_sets
     ]
-    return lines
+    evals = f"`scripts/make_eval_data.py --out {study['eval']['tasks_dir']} {shlex.join(study['eval']['build'])}`"
+    return lines + ["", f"Data (built only when missing): {'; '.join([*built, evals])}."]
 
 
 def render(data: dict, study: dict, links: dict, notes: str | None, notes_path: str | None) -> str:
@@ -301,9 +304,16 @@ def setup_lines(data: dict) -> list[str]:
     train, dat = _ran_settings(data)
     n = len(data["run_settings"])
     mixed = "" if n < 2 else f" **The runs differ in their settings** ({n} variants: study.json run_settings)."
+    stages = data.get("stages") or []
+    staged = [
+        "- Stages before the last, each from the export of the one before (the first builds the arm's model): "
+        + "; ".join(f"`{s['name']}` {s['max_steps']} steps on {', '.join(s['shards'])}" for s in stages)
+        + ". The last stage:"
+    ]
     return [
         f"- Baseline `{data['baseline']}` (`chunking: none`); every other arm is `vlm.accounting.flops.match` of it "
         f"(match report below), from the chunking settings {data['chunked_defaults']}.",
+        *(staged if stages else []),
         f"- Training (`scripts/train_vlm.py`, one process): {train.get('max_steps')} steps, batch "
         f"{dat.get('batch_size')} rows of {dat.get('seq_len')} tokens, lr {train.get('lr')}, warmup "
         f"{train.get('warmup')}; held-out evaluation on {train.get('eval_batches')} eval batches at the end.{mixed}",

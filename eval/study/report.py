@@ -50,11 +50,24 @@ def _finite(node):
     return None if isinstance(node, float) and not math.isfinite(node) else node
 
 
+def stages_summary(study: dict) -> list[dict]:
+    """The stages before the last (a staged study): name, steps and shards of each, for the doc's setup."""
+    return [
+        {
+            "name": st["name"],
+            "max_steps": (st.get("train") or {}).get("max_steps"),
+            "shards": list((st.get("data") or {}).get("shards") or ()),
+        }
+        for st in study.get("stages") or ()
+    ]
+
+
 def run_commands(path: Path) -> dict:
     """The train and eval commands one run recorded (the report shows the first run's)."""
     result = read_json(path / "result.json") or {}
     train, evaluation = result.get("train") or {}, result.get("eval") or {}
-    return {"train": train.get("command"), "eval": evaluation.get("command"), "run": str(path)}
+    stages = [rec.get("command") for name, rec in (train.get("stages") or {}).items() if name != "train"]
+    return {"train": train.get("command"), "eval": evaluation.get("command"), "run": str(path), "stages": stages}
 
 
 def add_prefill(agg: dict, prefill: dict, arms: list[Arm]) -> None:
@@ -100,6 +113,7 @@ def gather(study: dict, arms: list[Arm]) -> dict:
             "baseline": study["baseline"],
             "chunked_defaults": study.get("chunked_defaults"),
             "train_base": study["train_base"],
+            "stages": stages_summary(study),
             "run_settings": settings,
             "eval": {
                 "tasks": tasks,

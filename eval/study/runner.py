@@ -7,7 +7,8 @@ share the cores) and its output appended to a log beside it:
 1. ``train.yaml`` (``eval.study.arms.train_yaml``), then ``python scripts/train_vlm.py --config train.yaml --out
    train --deepspeed <json> --resume auto`` (one process, a free ``MASTER_PORT`` of its own; ``--overwrite``
    instead when an interrupted attempt left metrics but no checkpoint, which ``--resume auto`` refuses) ->
-   ``train.log``, ``train_done.json``;
+   ``train.log``, ``train_done.json``; a staged study runs each of its ``stages`` first the same way
+   (``STAGE.yaml`` -> ``STAGE/``, ``STAGE.log``, ``STAGE_done.json``), each from the export of the one before;
 2. ``python -m lmms_eval --model conceptmoe --model_args pretrained=train/hf ... --output_path eval`` (the
    Makefile's ``demo`` form) -> ``eval.log``; then ``eval.r_report.write_report`` and ``eval.score_table.write_table``
    on ``eval/`` (``r_report.json``, ``score_table.json``); an evaluation without its score table is redone whole;
@@ -131,15 +132,25 @@ def release_port(port: int) -> None:
 
 # ----------------------------------------------------------------------------- data
 def ensure_data(study: dict, log: Log, quiet: bool = False) -> None:
-    """Build the training shards and the eval task data with the config's arguments when they are missing
-    (``quiet``: without make_shards' progress bar)."""
-    shards = Path(study["data"]["dir"])
-    if not all((shards / split / "manifest.json").is_file() for split in ("train", "eval")):
-        cmd = [python(), script("make_shards.py"), *map(str, study["data"]["build"]), "--out", str(shards)]
-        cmd += ["--quiet"] if quiet else []
-        log(f"building shards: {shlex.join(cmd)}")
+    """Build the training shards (every set of ``data``), anything a ``{creates, command}`` entry makes, and the
+    eval task data with the config's arguments when they are missing (``quiet``: without make_shards' progress
+    bar). ``{python}`` in a command is this interpreter."""
+    data = study["data"]
+    for entry in data if isinstance(data, list) else [data]:
+        if "creates" in entry:
+            if Path(entry["creates"]).exists():
+                continue
+            cmd, what = [python() if a == "{python}" else str(a) for a in entry["command"]], entry["creates"]
+        else:
+            shards = Path(entry["dir"])
+            if all((shards / split / "manifest.json").is_file() for split in ("train", "eval")):
+                continue
+            cmd = [python(), script("make_shards.py"), *map(str, entry["build"]), "--out", str(shards)]
+            cmd += ["--quiet"] if quiet else []
+            what = f"the shards in {shards}"
+        log(f"building {what}: {shlex.join(cmd)}")
         if subprocess.run(cmd, env=env()).returncode != 0:
-            raise SystemExit(f"study: error: building the shards into {shards} failed")
+            raise SystemExit(f"study: error: building {what} failed")
     tasks_dir = Path(study["eval"]["tasks_dir"])
     if not all((tasks_dir / t / "data" / "test.jsonl").is_file() for t in study["eval"]["tasks"]):
         cmd = [python(), script("make_eval_data.py"), "--out", str(tasks_dir), *map(str, study["eval"]["build"])]
@@ -149,15 +160,16 @@ def ensure_data(study: dict, log: Log, quiet: bool = False) -> None:
 
 
 # ----------------------------------------------------------------------------- one run
-def train_command(study: dict, path: Path) -> list[str]:
-    """The training command of a run folder: ``--resume auto``, or ``--overwrite`` after an attempt that left
-    metrics but no checkpoint folder (``--resume auto`` refuses such a folder; ``vlm/training/resume.py``)."""
-    train = path / "train"
+def train_command(study: dict, path: Path, stage: str = "train") -> list[str]:
+    """The training command of one stage of a run folder (``STAGE.yaml`` into ``STAGE/``): ``--resume auto``, or
+    ``--overwrite`` after an attempt that left metrics but no checkpoint folder (``--resume auto`` refuses such a
+    folder; ``vlm/training/resume.py``)."""
+    train = path / stage
     has_ckpt = any((train / "checkpoints").glob("step_*")) if (train / "checkpoints").is_dir() else False
     metrics = train / "metrics.jsonl"
     started = metrics.is_file() and metrics.stat().st_size > 0
     mode = ["--overwrite"] if started and not has_ckpt else ["--resume", "auto"]
-    cmd = [python(), script("train_vlm.py"), "--config", str(path / "train.yaml"), "--out", str(train)]
+    cmd = [python(), script("train_vlm.py"), "--config", str(path / f"{stage}.yaml"), "--out", str(train)]
     if study.get("deepspeed"):
         cmd += ["--deepspeed", str(study["deepspeed"])]
     return cmd + mode
@@ -189,32 +201,49 @@ def eval_command(study: dict, path: Path) -> list[str]:
     ]
 
 
-def _train(study: dict, arm: Arm, seed: int, path: Path, log: Log) -> dict | None:
+def _train_stage(study: dict, arm: Arm, seed: int, path: Path, stage: str, log: Log) -> dict | None:
+    """One training stage of (arm, seed) into ``path/STAGE`` (its ``STAGE.yaml``, ``STAGE.log``,
+    ``STAGE_done.json``); a finished stage is never redone."""
     from eval.study.arms import train_yaml
 
-    done = read_json(path / "train_done.json")
-    if done and (path / "train" / "hf" / "config.json").is_file():
+    done = read_json(path / f"{stage}_done.json")
+    if done and (path / stage / "hf" / "config.json").is_file():
         return done
-    text = yaml.safe_dump(train_yaml(study, arm, seed), sort_keys=False)
-    config = path / "train.yaml"
-    if config.is_file() and config.read_text(encoding="utf-8") != text and (path / "train").exists():
-        log(f"{arm.name}/seed{seed}: error: {config} differs from the study config now; delete {path} to redo it")
+    text = yaml.safe_dump(train_yaml(study, arm, seed, stage, str(path)), sort_keys=False)
+    config, name = path / f"{stage}.yaml", f"{arm.name}/seed{seed}" + ("" if stage == "train" else f" {stage}")
+    if config.is_file() and config.read_text(encoding="utf-8") != text and (path / stage).exists():
+        log(f"{name}: error: {config} differs from the study config now; delete {path} to redo it")
         return None
     path.mkdir(parents=True, exist_ok=True)
     config.write_text(text, encoding="utf-8")
-    cmd, port = train_command(study, path), take_port()
-    log(f"{arm.name}/seed{seed}: training ({shlex.join(cmd)})")
+    cmd, port = train_command(study, path, stage), take_port()
+    log(f"{name}: training ({shlex.join(cmd)})")
     try:
-        rc, wall = run_logged(cmd, path / "train.log", port)
+        rc, wall = run_logged(cmd, path / f"{stage}.log", port)
     finally:
         release_port(port)
     if rc != 0:
-        log(f"{arm.name}/seed{seed}: training failed (exit {rc}): {last_line(path / 'train.log')}")
+        log(f"{name}: training failed (exit {rc}): {last_line(path / f'{stage}.log')}")
         return None
     done = {"wall_s": wall, "command": cmd, "port": port}
-    (path / "train_done.json").write_text(json.dumps(done, indent=1) + "\n", encoding="utf-8")
-    log(f"{arm.name}/seed{seed}: trained in {wall:.0f} s")
+    (path / f"{stage}_done.json").write_text(json.dumps(done, indent=1) + "\n", encoding="utf-8")
+    log(f"{name}: trained in {wall:.0f} s")
     return done
+
+
+def _train(study: dict, arm: Arm, seed: int, path: Path, log: Log) -> dict | None:
+    """Every training stage of (arm, seed) in order (``eval.study.arms.stage_names``); the last one's record,
+    with ``wall_s`` summed over the stages and each stage's record under ``stages`` when there are several."""
+    from eval.study.arms import stage_names
+
+    records = {}
+    for stage in stage_names(study):
+        records[stage] = _train_stage(study, arm, seed, path, stage, log)
+        if records[stage] is None:
+            return None
+    if len(records) == 1:
+        return records["train"]
+    return {**records["train"], "wall_s": sum(r["wall_s"] for r in records.values()), "stages": records}
 
 
 def _evaluate(study: dict, arm: Arm, seed: int, path: Path, log: Log) -> dict | None:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "scripts" / "configs" / "study.yaml"
@@ -64,6 +65,16 @@ def test_outputs_exist(quick):
         assert (path / "eval" / "score_table.json").is_file() and (path / "eval" / "r_report.json").is_file()
         result = json.loads((path / "result.json").read_text())
         assert result["arm"] == arm and "train_vlm.py" in " ".join(result["train"]["command"])
+        # the quick block's stage "warm" ran first and built the arm's model; the last stage started from its export
+        warm, last = (yaml.safe_load((path / f"{s}.yaml").read_text()) for s in ("warm", "train"))
+        assert warm["model"]["preset"] == "tiny-moe" and "init_from" not in warm["model"]
+        assert (warm["model"]["overrides"].get("target_r") == 2.0) == (arm == "r2")
+        assert last["model"] == {"init_from": str(path / "warm" / "hf")} and last["train"]["max_steps"] == 8
+        assert (path / "warm" / "hf" / "model.safetensors").is_file() and list(result["train"]["stages"]) == [
+            "warm",
+            "train",
+        ]
+        assert result["train"]["wall_s"] == pytest.approx(sum(r["wall_s"] for r in result["train"]["stages"].values()))
     for name in ("study.json", "study.md", "prefill.json", "loss_curves.png", "r_modality.png", "score_vs_r.png"):
         assert (out / name).is_file(), name
     assert (out / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
@@ -151,7 +162,7 @@ def test_claim_verdicts_follow_the_rule():
     assert claim["verdict"] == "not reproduced (1 of 2 comparisons; the rest inconclusive)"
 
 
-@pytest.mark.parametrize("name", ["study.yaml", "spatial.yaml", "spatial_focus.yaml"])
+@pytest.mark.parametrize("name", ["study.yaml", "study_staged.yaml", "spatial.yaml", "spatial_focus.yaml"])
 def test_shipped_study_configs_load_and_match(name):
     """Every study YAML under scripts/configs passes the checks (arms, claims, task metrics) and every arm is
     compute-matched to the baseline, as ``scripts/study.py`` checks before it trains anything."""
