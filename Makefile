@@ -14,7 +14,7 @@ export HF_DATASETS_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv test demo demo-shards instruct-long demo-backbone bench lint format clean study study-staged spatial
+.PHONY: venv test demo demo-shards instruct-long demo-backbone bench lint format clean study study-staged spatial spatial-staged
 
 venv: $(STAMP)
 
@@ -148,6 +148,12 @@ study: venv
 # (~70 min on 2 CPU cores for 4 arms x 2 seeds, the tower and shards made when missing; resumes like `make study`).
 study-staged: venv
 	$(BIN)/python scripts/study.py --config scripts/configs/study_staged.yaml $(STUDY_ARGS)
+
+# Spatially aware image chunking on `make demo`'s stages (scripts/configs/spatial_staged.yaml: raster against rows and
+# router2d, scored on the position questions of one-object and 1-5-object scenes) in docs/spatial_staged.md (~40 min
+# on 2 CPU cores beside study-staged, whose tower and moe / r2 runs it can reuse; see the YAML).
+spatial-staged: venv
+	$(BIN)/python scripts/study.py --config scripts/configs/spatial_staged.yaml $(STUDY_ARGS)
 
 # Spatially aware image chunking (scripts/configs/spatial.yaml): raster against rows / snake / zorder / router2d at
 # R = 2, 3 seeds each, in docs/spatial.md with concept pictures (~75 min on 2 CPU cores; resumes like `make study`).

@@ -162,7 +162,9 @@ def test_claim_verdicts_follow_the_rule():
     assert claim["verdict"] == "not reproduced (1 of 2 comparisons; the rest inconclusive)"
 
 
-@pytest.mark.parametrize("name", ["study.yaml", "study_staged.yaml", "spatial.yaml", "spatial_focus.yaml"])
+@pytest.mark.parametrize(
+    "name", ["study.yaml", "study_staged.yaml", "spatial.yaml", "spatial_staged.yaml", "spatial_focus.yaml"]
+)
 def test_shipped_study_configs_load_and_match(name):
     """Every study YAML under scripts/configs passes the checks (arms, claims, task metrics) and every arm is
     compute-matched to the baseline, as ``scripts/study.py`` checks before it trains anything."""
