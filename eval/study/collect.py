@@ -14,6 +14,7 @@ A run folder ``OUT/runs/<arm>/seed<k>/`` holds ``train/metrics.jsonl`` (the trai
   (the record's ``target_r``; with per-modality targets, text and image each within band of theirs);
 - ``train_step_s``: the sum of the per-step times (tokens / tokens_per_s: forward, backward, optimiser step; no
   start-up, evaluation or checkpointing); ``train_wall_s``: the training subprocess's wall time (``result.json``);
+  in a staged study both summed over the stages (``result.json``'s ``train.stages``);
 - ``score:TASK:METRIC`` (and ``chance``), ``mean_score`` (mean of each task's main score), and the eval-mode R of
   the lmms-eval prompts: ``lmms_r*`` over all tasks, ``lmms_task_r`` per task (token-weighted, the R report's).
 """
@@ -86,6 +87,11 @@ def in_band(rec: dict, targets: dict, band: float) -> bool | None:
     return None if any(e is None for e in errs) or not errs else all(e <= band for e in errs)
 
 
+def step_seconds(steps: list[dict]) -> float:
+    """The sum of the per-step times of a run's step records (tokens / tokens_per_s)."""
+    return sum(s["tokens"] / s["tokens_per_s"] for s in steps if s.get("tokens_per_s"))
+
+
 def train_numbers(steps: list[dict], evals: list[dict], targets: dict, band: float) -> dict:
     """The training-side numbers of one run (see the module docstring); ``targets`` as ``Arm.targets``."""
     out: dict = {"steps": steps[-1]["step"] if steps else 0}
@@ -101,7 +107,7 @@ def train_numbers(steps: list[dict], evals: list[dict], targets: dict, band: flo
         flags = [in_band(s, band_targets, band) for s in half] if targets else []
         flags = [f for f in flags if f is not None]
         out["r_in_band"] = sum(flags) / len(flags) if flags else None
-        out["train_step_s"] = sum(s["tokens"] / s["tokens_per_s"] for s in steps if s.get("tokens_per_s"))
+        out["train_step_s"] = step_seconds(steps)
         out["target_r"] = _num(steps[-1].get("target_r"))
     if evals:
         ev = evals[-1]
@@ -151,7 +157,10 @@ def collect_run(path: Path, targets: dict, band: float, main_metrics: dict, task
     result = read_json(path / "result.json") or {}
     steps, evals = read_metrics(path / "train" / METRICS_FILE)
     numbers = {**train_numbers(steps, evals, targets, band), **eval_numbers(path / "eval", main_metrics, tasks)}
-    numbers["train_wall_s"] = _num((result.get("train") or {}).get("wall_s"))
+    numbers["train_wall_s"] = _num((result.get("train") or {}).get("wall_s"))  # every stage's, in a staged study
+    earlier = [name for name in (result.get("train") or {}).get("stages") or {} if name != "train"]
+    if earlier and "train_step_s" in numbers:  # the stages before the last count too, like the wall time
+        numbers["train_step_s"] += sum(step_seconds(read_metrics(path / n / METRICS_FILE)[0]) for n in earlier)
     numbers["eval_wall_s"] = _num((result.get("eval") or {}).get("wall_s"))
     return numbers
 

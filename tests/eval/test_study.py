@@ -56,6 +56,8 @@ def test_arms_are_compute_matched(quick):
 
 
 def test_outputs_exist(quick):
+    from eval.study.collect import read_metrics, step_seconds
+
     out, _ = quick
     for arm in ARMS:
         path = run(out, arm)
@@ -81,6 +83,9 @@ def test_outputs_exist(quick):
     data = json.loads((out / "study.json").read_text())
     assert set(data["prefill"]["arms"]) == set(ARMS) and data["prefill"]["tokens"] == 4096
     assert data["aggregate"]["r2"]["prefill_ratio"]["mean"] == data["prefill"]["arms"]["r2"]["ratio"]
+    for arm in ARMS:  # per-step seconds summed over both stages, as the wall time is
+        seconds = [step_seconds(read_metrics(run(out, arm) / s / "metrics.jsonl")[0]) for s in ("warm", "train")]
+        assert data["runs"][arm]["0"]["train_step_s"] == pytest.approx(sum(seconds)) and min(seconds) > 0
     verdicts = {c["id"]: c["verdict"] for c in data["claims"]}
     assert verdicts["table2"] == "inconclusive (1 seed)" and verdicts["longdoc"] == "not run"  # 1 seed; task not run
     doc = (out / "study.md").read_text()
