@@ -145,7 +145,7 @@ study: venv
 
 # The same study on `make demo`'s stages (scripts/configs/study_staged.yaml: stage 0's tower once, then every arm
 # through stages 1a, 1b and 2, scored on one-object and 1-5-object scene questions) in docs/study_staged.md
-# (~70 min on 2 CPU cores for 4 arms x 2 seeds, the tower and shards made when missing; resumes like `make study`).
+# (~95 min on 2 CPU cores for 4 arms x 3 seeds, the tower and shards made when missing; resumes like `make study`).
 study-staged: venv
 	$(BIN)/python scripts/study.py --config scripts/configs/study_staged.yaml $(STUDY_ARGS)
 
