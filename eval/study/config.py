@@ -189,7 +189,9 @@ def _check_stages(cfg: dict) -> None:
     for i, stage in enumerate(stages):
         name = stage.get("name") if isinstance(stage, dict) else None
         if not isinstance(name, str) or not NAME.match(name) or name in ("train", "eval") or name in names:
-            raise StudyConfigError(f"stages[{i}]: needs a name of its own (letters, digits, '.', '_', '-'; not train)")
+            raise StudyConfigError(
+                f"stages[{i}]: needs a name of its own (letters, digits, '.', '_', '-'; not train or eval)"
+            )
         names.add(name)
         unknown = set(stage) - set(STAGE_FIELDS)
         if unknown:
@@ -197,12 +199,17 @@ def _check_stages(cfg: dict) -> None:
         stages[i] = {"name": name, **_read_from({k: v for k, v in stage.items() if k != "name"}, f"stages[{i}]")}
 
 
+def data_sets(study: dict) -> list[dict]:
+    """The study's ``data`` as a list of entries (``{dir, build}`` or ``{creates, command}``): one set or a list."""
+    data = study["data"]
+    return data if isinstance(data, list) else [data]
+
+
 def _check_data(cfg: dict) -> None:
     """``data``: one ``{dir, build}`` (the shards every stage defaults to), or a list of shard sets, each ``{dir,
     build}`` or ``{creates, command}``; with a list every stage names its own ``data.shards``."""
     data = cfg["data"]
-    entries = data if isinstance(data, list) else [data]
-    for i, entry in enumerate(entries):
+    for i, entry in enumerate(data_sets(cfg)):
         where = f"data[{i}]" if isinstance(data, list) else "data"
         ok = isinstance(entry, dict) and (set(entry) == {"dir", "build"} or set(entry) == {"creates", "command"})
         if not ok or not isinstance(entry.get("build", entry.get("command")), list):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import shlex
 
 from eval.study.claims import REPRODUCED
+from eval.study.config import data_sets
 
 SHORT = {"cmoe_sceneqa": "sceneqa", "cmoe_refloc": "refloc", "cmoe_niah": "niah", "cmoe_longdoc": "longdoc"}
 NOTES_MARK = "<!-- NOTES: {path} is inserted here verbatim (the prose: why each verdict, what would be needed) -->"
@@ -236,12 +237,11 @@ def commands_lines(data: dict, study: dict) -> list[str]:
         ]
     if data["prefill"].get("command"):
         lines += ["", "Prefill phase:", "", "```", shlex.join(data["prefill"]["command"]), "```"]
-    data_sets = study["data"] if isinstance(study["data"], list) else [study["data"]]
     built = [
         f"`{shlex.join(e['command'])}`"
         if "creates" in e
         else f"`scripts/make_shards.py {shlex.join(e['build'])} --out {e['dir']}`"
-        for e in data_sets
+        for e in data_sets(study)
     ]
     evals = f"`scripts/make_eval_data.py --out {study['eval']['tasks_dir']} {shlex.join(study['eval']['build'])}`"
     return lines + ["", f"Data (built only when missing): {'; '.join([*built, evals])}."]

@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 from eval.study.arms import Arm
 from eval.study.collect import read_json, run_dir
+from eval.study.config import data_sets
 
 REPO = Path(__file__).resolve().parents[2]
 OFFLINE_ENV = {
@@ -135,8 +136,7 @@ def ensure_data(study: dict, log: Log, quiet: bool = False) -> None:
     """Build the training shards (every set of ``data``), anything a ``{creates, command}`` entry makes, and the
     eval task data with the config's arguments when they are missing (``quiet``: without make_shards' progress
     bar). ``{python}`` in a command is this interpreter."""
-    data = study["data"]
-    for entry in data if isinstance(data, list) else [data]:
+    for entry in data_sets(study):
         if "creates" in entry:
             if Path(entry["creates"]).exists():
                 continue
