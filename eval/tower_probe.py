@@ -12,6 +12,11 @@ accuracy on ``n_test`` other scenes is what a linear reader gets from the tower.
 
 Chance is the held-out share of the attribute's most common training label (the best constant answer). The scenes
 come from fixed seeds, so two towers are compared on the same pictures.
+
+With ``binding`` (:func:`probe_binding`), one more attribute, ``colour_of_shape``: scenes of 2-3 objects, and per
+shape one probe that reads the colour of that shape's object (on the scenes holding exactly one of it), as
+"What colour is the square?" asks. A tower that carries the colours present but not which object wears which gives
+a reader at best ``unbound`` = the mean of 1 / (objects in the scene): one of the scene's colours at random.
 """
 
 from __future__ import annotations
@@ -24,11 +29,12 @@ from pathlib import Path
 
 import torch
 
-from data_pipelines.synthetic.scenes import render_scene
+from data_pipelines.synthetic.scenes import SHAPES, render_scene
 from vision_tower import ImageProcessor, VisionTower
 from vlm.config import ConceptMoEVLMConfig
 
 ATTRIBUTES = ("colour", "shape", "position")
+BINDING = "colour_of_shape"  # the attribute of :func:`probe_binding`
 FEATURE_SETS = ("summary", "patches")
 
 
@@ -40,6 +46,7 @@ class ProbeScore:
     chance: float  # held-out accuracy of the most common training label
     n_train: int
     n_test: int
+    unbound: float | None = None  # binding only: the best reader of the scene's colours without their objects
 
 
 def one_object_scenes(n: int, seed: int, object_size: tuple[float, float] | None = None) -> tuple[list, list[dict]]:
@@ -134,6 +141,52 @@ def probe_tower(
             accuracy = linear_probe_accuracy(train_feats[features], y_train, test_feats[features], y_test)
             chance = sum(y == majority for y in y_test) / len(y_test)
             scores.append(ProbeScore(features, attribute, accuracy, chance, n_train, n_test))
+    return scores
+
+
+def binding_scenes(n: int, seed: int) -> tuple[list, list[list[dict]]]:
+    """``n`` scenes of 2-3 objects at the generator's sizes (PIL images) and their objects' metadata."""
+    rng = random.Random(seed)
+    images, objects = [], []
+    while len(images) < n:
+        image, meta = render_scene(rng, max_objects=3)
+        if len(meta["objects"]) >= 2:
+            images.append(image)
+            objects.append(meta["objects"])
+    return images, objects
+
+
+def _colour_of(shape: str, scenes: list[list[dict]]) -> tuple[list[int], list[str]]:
+    """(scene indices, colours) of the scenes holding exactly one ``shape``: that object's colour."""
+    picked = [(i, [o for o in objs if o["shape"] == shape]) for i, objs in enumerate(scenes)]
+    return [i for i, hit in picked if len(hit) == 1], [hit[0]["colour"] for _, hit in picked if len(hit) == 1]
+
+
+def probe_binding(
+    tower: VisionTower, n_train: int = 3000, n_test: int = 800, seed: int = 10, max_patches: int = 64
+) -> list[ProbeScore]:
+    """One ``colour_of_shape`` :class:`ProbeScore` per feature set: per shape, a linear probe fitted to the colour
+    of that shape's object; accuracy, chance (each shape's most common training colour) and ``unbound`` pooled
+    over the shapes' held-out items."""
+    train_images, train_scenes = binding_scenes(n_train, seed)
+    test_images, test_scenes = binding_scenes(n_test, seed + 1)
+    train_feats = tower_features(tower, train_images, max_patches)
+    test_feats = tower_features(tower, test_images, max_patches)
+    scores = []
+    for features in train_feats:
+        right = chance = unbound = items = 0.0
+        for shape in SHAPES:
+            train_idx, y_train = _colour_of(shape, train_scenes)
+            test_idx, y_test = _colour_of(shape, test_scenes)
+            if len(set(y_train)) < 2 or not y_test:
+                continue
+            x_train, x_test = train_feats[features][train_idx], test_feats[features][test_idx]
+            right += linear_probe_accuracy(x_train, y_train, x_test, y_test) * len(y_test)
+            majority = Counter(y_train).most_common(1)[0][0]
+            chance += sum(y == majority for y in y_test)
+            unbound += sum(1 / len(test_scenes[i]) for i in test_idx)
+            items += len(y_test)
+        scores.append(ProbeScore(features, BINDING, right / items, chance / items, n_train, n_test, unbound / items))
     return scores
 
 

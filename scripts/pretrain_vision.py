@@ -46,6 +46,13 @@ def main(argv=None) -> int:
         help="siglip: sigmoid contrastive loss against a caption encoder; superclass: the caption's words as the "
         "image's class labels, softmax (no text encoder); multilabel: the same labels, one sigmoid per word",
     )
+    p.add_argument(
+        "--label-pairs",
+        type=int,
+        default=d.label_pairs,
+        metavar="WINDOW",
+        help="multilabel: pairs of caption words up to WINDOW informative tokens apart are labels too (binding)",
+    )
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")

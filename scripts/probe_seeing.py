@@ -59,7 +59,8 @@ def main(argv=None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=JSON", help="a model override")
     parser.add_argument("--types", default="colour", help="question types: colour,shape,position,count,needle")
     parser.add_argument("--stage", action="append", type=parse_stage, help="a curriculum stage (repeatable)")
-    for name in ("steps", "rows", "seq_len", "warmup", "max_patches", "eval_every", "eval_n", "eval_objects", "seed"):
+    ints = ("steps", "rows", "seq_len", "warmup", "max_patches", "eval_every", "eval_n", "eval_objects", "seed")
+    for name in (*ints, "eval_min_objects"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument("--caption-share", type=float, default=0.0, help="share of captioned scenes in training")
@@ -102,7 +103,7 @@ def main(argv=None) -> int:
         turns=args.turns,
         needle_units=args.needle_units,
         needle_modalities=tuple(m.strip() for m in args.needle_modalities.split(",") if m.strip()),
-        **{k: getattr(args, k) for k in ("eval_every", "eval_n", "eval_objects", "eval_size")},
+        **{k: getattr(args, k) for k in ("eval_every", "eval_n", "eval_objects", "eval_min_objects", "eval_size")},
     )
     try:
         probe = SeeingProbe(cfg)

@@ -24,6 +24,10 @@ others (a shape, a colour, a position, a count), at any image budget the VLM wil
 - :class:`CaptionClassPretrainer`: tower + pool + one linear layer over the tokenizer's vocabulary, with either
   loss. No text encoder and no batch of negatives: every word of every caption is a direct target for its own
   image, so each attribute a caption names (colour, shape, position) pulls on the tower from the first step.
+- :func:`word_pairs`, :func:`pair_vocabulary` and :func:`pair_targets`: with the sigmoid loss, ordered pairs of
+  nearby informative tokens of a caption ("red" ... "square", "square" ... "left") as labels beside the single
+  words. A bag of words cannot tell "a red square and a blue circle" from "a blue square and a red circle"; its
+  pairs can, so the summary has to carry which attribute goes with which object (binding).
 
 ``scripts/pretrain_vision.py`` trains it on webdataset image-caption shards and writes the tower's timm state dict
 as ``.safetensors``, which ``ConceptMoEVLMConfig(vision_weights=...)`` loads.
@@ -34,6 +38,8 @@ as ``.safetensors``, which ``ConceptMoEVLMConfig(vision_weights=...)`` loads.
 from __future__ import annotations
 
 import math
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -162,6 +168,37 @@ def multilabel_loss(logits_BV: torch.Tensor, target_BV: torch.Tensor) -> torch.T
 
 
 CAPTION_LOSSES = {"softmax": caption_classification_loss, "sigmoid": multilabel_loss}
+PAIR_MIN_COUNT = 5  # a pair of words is a label when at least this many training captions hold it
+
+
+def word_pairs(ids: Sequence[int], idf: Sequence[float], window: int) -> set[tuple[int, int]]:
+    """Ordered pairs ``(a, b)`` of a caption's informative token ids (IDF > 0: the words a bag-of-words label
+    keeps), ``b`` at most ``window`` informative tokens after ``a``: in "a small red square at the top left" with
+    window 4, "red" pairs with "square", "at" and "left"'s neighbours, so colour-shape, shape-position and
+    colour-position bindings are labels (a word the tokenizer splits gives several ids; its pieces pair too)."""
+    kept = [t for t in ids if idf[t] > 0]
+    return {(a, kept[j]) for i, a in enumerate(kept) for j in range(i + 1, min(i + 1 + window, len(kept)))}
+
+
+def pair_vocabulary(
+    captions: list[list[int]], idf_V: torch.Tensor, window: int, min_count: int = PAIR_MIN_COUNT
+) -> dict[tuple[int, int], int]:
+    """Every :func:`word_pairs` pair held by at least ``min_count`` of ``captions``, numbered in sorted order."""
+    idf = idf_V.tolist()
+    counts = Counter(pair for ids in captions for pair in word_pairs(ids, idf, window))
+    return {pair: k for k, pair in enumerate(sorted(p for p, n in counts.items() if n >= min_count))}
+
+
+def pair_targets(
+    ids_BT: torch.Tensor, mask_BT: torch.Tensor, idf: Sequence[float], vocab: dict, window: int
+) -> torch.Tensor:
+    """Each caption's pairs (:func:`word_pairs`) as a 0/1 multi-hot over ``vocab`` (pairs outside it: no label)."""
+    target_BP = torch.zeros(len(ids_BT), len(vocab), device=ids_BT.device)
+    for b, (ids_T, mask_T) in enumerate(zip(ids_BT.tolist(), mask_BT.tolist())):
+        ids = [t for t, real in zip(ids_T, mask_T) if real]
+        hits = [vocab[pair] for pair in word_pairs(ids, idf, window) if pair in vocab]
+        target_BP[b, hits] = 1.0
+    return target_BP
 
 
 @dataclass
@@ -175,23 +212,39 @@ class CaptionClassPretrainer(nn.Module):
     """A :class:`VisionTower` (built with ``summary=True``) whose summary, through one linear layer, gives one logit
     per token id of the vocabulary, trained with ``loss``: ``"softmax"`` (:func:`caption_classification_loss`,
     SuperClass) or ``"sigmoid"`` (:func:`multilabel_loss`). ``idf_V`` (from :func:`caption_idf` over the training
-    captions) is a buffer: the same weights for every batch."""
+    captions) is a buffer: the same weights for every batch. With ``pairs`` (a :func:`pair_vocabulary` of
+    ``pair_window``; sigmoid only) the layer gives one logit more per pair, each a binary label of its own."""
 
     score_name = "r_precision"  # what :meth:`batch_score` measures
 
-    def __init__(self, tower: VisionTower, idf_V: torch.Tensor, loss: str = "softmax"):
+    def __init__(
+        self,
+        tower: VisionTower,
+        idf_V: torch.Tensor,
+        loss: str = "softmax",
+        pairs: dict | None = None,
+        pair_window: int = 4,
+    ):
         super().__init__()
         if loss not in CAPTION_LOSSES:
             raise ValueError(f"loss must be one of {sorted(CAPTION_LOSSES)}, got {loss!r}")
+        if pairs and loss != "sigmoid":
+            raise ValueError("word-pair labels need the sigmoid loss (the multilabel objective)")
         self.loss_fn = CAPTION_LOSSES[loss]
         self.tower = tower
-        self.head = nn.Linear(tower.require_summary_pool().out_dim, len(idf_V))
+        self.pairs, self.pair_window, self._idf = pairs or {}, pair_window, idf_V.tolist()
+        self.head = nn.Linear(tower.require_summary_pool().out_dim, len(idf_V) + len(self.pairs))
         self.register_buffer("idf_V", idf_V.float(), persistent=False)
 
     def forward(self, patches, patch_coord, patch_valid, ids_BT, mask_BT) -> CaptionClassOutput:
-        logits_BV = self.head(self.tower.summarize(self.tower(patches, patch_coord, patch_valid)))
+        logits = self.head(self.tower.summarize(self.tower(patches, patch_coord, patch_valid)))
+        logits_BV, logits_BP = logits[:, : len(self.idf_V)], logits[:, len(self.idf_V) :]
         target_BV = caption_targets(ids_BT, mask_BT, self.idf_V)
-        return CaptionClassOutput(self.loss_fn(logits_BV, target_BV), logits_BV, target_BV)
+        loss = self.loss_fn(logits_BV, target_BV)
+        if self.pairs:
+            target_BP = pair_targets(ids_BT, mask_BT, self._idf, self.pairs, self.pair_window)
+            loss = loss + multilabel_loss(logits_BP, target_BP)
+        return CaptionClassOutput(loss, logits_BV, target_BV)
 
     @torch.no_grad()
     def batch_score(self, out: CaptionClassOutput) -> float:

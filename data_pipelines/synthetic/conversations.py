@@ -12,7 +12,8 @@ Each sample is a conversation (``Sample.turns``, empty ``segments``): a user tur
 ``<image>`` into text segments and the base sample's images in order, then an assistant turn with the answer
 exactly as the base ``qa`` item gives it. ``meta``: ``kind`` (the kind above), ``task`` (sceneqa / refloc /
 longdoc / niah), ``type`` (the qa type), ``source`` (the base sample's key), ``index`` (the base sample's index),
-``question``, and ``expression`` for refloc; ``qa``: the one item asked.
+``question``, ``objects`` (the scene's number of objects) for sceneqa and refloc, and ``expression`` for refloc;
+``qa``: the one item asked.
 
 Sample ``j`` of ``generate(n, seed, split)`` is the ``j``-th conversation of the base stream
 ``<base>.generate(..., seed, split)``, so it depends only on (kind, seed, split, j) and the first ``k`` of
@@ -46,7 +47,8 @@ def scene_items(base: Sample, seed: int, split: str, index: int) -> list[Item]:
     out = []
     for qa in base.qa:
         if qa["type"] in prompts.SCENEQA_TYPES:
-            out.append((prompts.sceneqa(qa["q"]), qa["a"], dict(qa), {"task": "sceneqa", "question": qa["q"]}))
+            meta = {"task": "sceneqa", "question": qa["q"], "objects": len(objects)}
+            out.append((prompts.sceneqa(qa["q"]), qa["a"], dict(qa), meta))
         elif qa["type"] == "box":
             target = next(o for o in objects if o["box"] == qa["box"])
             rng = sample_rng("scenes_chat", seed, split, index)
@@ -54,6 +56,7 @@ def scene_items(base: Sample, seed: int, split: str, index: int) -> list[Item]:
             question = prompts.refloc_question(expression)
             item = {"type": "box", "q": question, "a": qa["a"], "box": qa["box"]}
             meta = {"task": "refloc", "question": question, "expression": expression, "expression_kind": how}
+            meta["objects"] = len(objects)
             out.append((prompts.refloc(expression), qa["a"], item, meta))
     return out
 

@@ -10,6 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from data_pipelines.synthetic.scenes import COLOURS, SHAPES
+from eval import tower_probe
 from eval.tower_probe import linear_probe_accuracy, load_tower, one_object_scenes, probe_tower, tower_features
 from vision_tower import VisionTower
 from vlm.config import ConceptMoEVLMConfig
@@ -89,3 +91,39 @@ def test_probe_script_prints_one_line_per_feature_set_and_refuses_bad_input(tmp_
     write_tower(narrower, tiny_tower(), {"tower": {**TOWER, "vision_embed_dim": 64, "vision_heads": 4}})
     assert script.main([str(narrower), "--train", "4", "--test", "2"]) == 2  # weights that do not fit the record
     assert capsys.readouterr().err.count("\n") == 1
+
+
+@pytest.mark.parametrize("bound", [True, False])
+def test_the_binding_probe_tells_bound_features_from_a_bag_of_attributes(monkeypatch, bound):
+    """Oracle features built from each scene's objects: one slot per (shape, colour) pair reads every shape's
+    colour; the bag of the scene's colours and shapes (what the word labels alone ask for) reads no better than
+    ``unbound`` (one of the scene's colours at random) and far below the bound features."""
+    scenes_by_image: dict[int, list[dict]] = {}
+    original = tower_probe.binding_scenes
+
+    def remembered(n, seed):
+        images, scenes = original(n, seed)
+        scenes_by_image.update({id(image): objs for image, objs in zip(images, scenes)})
+        return images, scenes
+
+    def oracle(tower, images, max_patches=64):
+        rows = []
+        for image in images:
+            x = torch.zeros(len(SHAPES) * len(COLOURS) + len(SHAPES) + len(COLOURS))
+            for o in scenes_by_image[id(image)]:
+                s, c = SHAPES.index(o["shape"]), list(COLOURS).index(o["colour"])
+                if bound:
+                    x[s * len(COLOURS) + c] = 1
+                else:
+                    x[len(SHAPES) * len(COLOURS) + s] = x[len(SHAPES) * len(COLOURS) + len(SHAPES) + c] = 1
+            rows.append(x)
+        return {"patches": torch.stack(rows)}
+
+    monkeypatch.setattr(tower_probe, "binding_scenes", remembered)
+    monkeypatch.setattr(tower_probe, "tower_features", oracle)
+    (score,) = tower_probe.probe_binding(None, n_train=600, n_test=300)
+    assert score.attribute == "colour_of_shape" and 0.3 < score.unbound < 0.5 and score.chance < 0.25
+    if bound:
+        assert score.accuracy > 0.95
+    else:
+        assert score.accuracy < score.unbound + 0.1

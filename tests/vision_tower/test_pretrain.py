@@ -18,7 +18,10 @@ from vision_tower.pretrain import (
     caption_idf,
     caption_targets,
     multilabel_loss,
+    pair_targets,
+    pair_vocabulary,
     sigmoid_contrastive_loss,
+    word_pairs,
 )
 
 PROC = ImageProcessor(patch_size=8, max_patches=16, pixel_shuffle=2)
@@ -103,6 +106,54 @@ def test_caption_idf_and_targets_follow_their_definitions():
             p = 1 / (1 + math.exp(-logits_BV[i, c].item()))
             bce -= math.log(p) if y else math.log(1 - p)
     assert abs(multilabel_loss(logits_BV, target_BV).item() - bce / 3) < 1e-5
+
+
+def test_word_pairs_vocabulary_and_targets_follow_their_definitions():
+    idf = [0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 1.0]  # ids 0 and 5 are in every caption: not informative, never paired
+    assert word_pairs([1, 5, 2, 3, 4], idf, window=2) == {(1, 2), (1, 3), (2, 3), (2, 4), (3, 4)}
+    assert word_pairs([1, 5, 2], idf, window=1) == {(1, 2)}  # the uninformative id between them does not count
+    assert word_pairs([5, 0], idf, window=4) == set()
+    captions = [[1, 2, 3], [1, 2, 6], [2, 1]]
+    vocab = pair_vocabulary(captions, torch.tensor(idf), window=1, min_count=2)
+    assert vocab == {(1, 2): 0}  # (2, 3), (2, 6) and (2, 1) are held by one caption each
+    vocab = pair_vocabulary(captions, torch.tensor(idf), window=1, min_count=1)
+    assert list(vocab) == sorted([(1, 2), (2, 3), (2, 6), (2, 1)])
+    ids_BT = torch.tensor([[1, 2, 3], [2, 1, 0]])
+    mask_BT = torch.tensor([[1, 1, 1], [1, 1, 0]]).bool()
+    target_BP = pair_targets(ids_BT, mask_BT, idf, vocab, window=1)
+    want = torch.zeros(2, 4)
+    want[0, [vocab[(1, 2)], vocab[(2, 3)]]] = 1
+    want[1, vocab[(2, 1)]] = 1
+    assert torch.equal(target_BP, want)
+    tower = VisionTower(embed_dim=32, depth=1, num_heads=2, patch_size=8, summary=True)
+    with pytest.raises(ValueError, match="sigmoid"):
+        CaptionClassPretrainer(tower, torch.tensor(idf), loss="softmax", pairs=vocab)
+
+
+def test_word_pair_labels_teach_a_tiny_tower_which_colour_is_on_the_left():
+    """Two colours side by side, each pair of colours in both orders: the two images of a pair have the same bag
+    of words (and the same word labels), so only the pair labels ("red" before "blue") tell them apart. With them,
+    every image's own pair outscores the swapped pair of the other image."""
+    colours = [(255, 0, 0), (0, 0, 255), (0, 160, 0), (255, 255, 0)]
+    images, captions = [], []
+    for a, b in [(0, 1), (1, 0), (2, 3), (3, 2)]:
+        pixels = np.zeros((16, 32, 3), dtype=np.uint8)
+        pixels[:, :16], pixels[:, 16:] = colours[a], colours[b]
+        images.append(Image.fromarray(pixels))
+        captions.append([1 + a, 5, 1 + b, 6])  # "COLOUR left COLOUR right": 5 and 6 are in every caption
+    idf_V = caption_idf(captions, vocab_size=7)
+    vocab = pair_vocabulary(captions, idf_V, window=1, min_count=1)
+    assert len(vocab) == 4
+    torch.manual_seed(0)
+    tower = VisionTower(embed_dim=32, depth=1, num_heads=2, patch_size=8, summary=True)
+    model = CaptionClassPretrainer(tower, idf_V, loss="sigmoid", pairs=vocab, pair_window=1)
+    batch = PROC(images)
+    fit(model, batch, torch.tensor(captions), torch.ones(4, 4, dtype=torch.bool), steps=200)
+    with torch.no_grad():
+        summary = model.tower.summarize(model.tower(batch["patches"], batch["patch_coord"], batch["patch_valid"]))
+        pair_logits = model.head(summary)[:, 7:]
+    for i, (a, _, b, _) in enumerate(captions):
+        assert pair_logits[i, vocab[(a, b)]] > pair_logits[i, vocab[(b, a)]] + 1.0
 
 
 @pytest.mark.parametrize("loss", ["softmax", "sigmoid"])

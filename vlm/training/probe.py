@@ -8,7 +8,9 @@ collated by ``collate_rows``), but in one process with a plain AdamW loop, so th
 
 A curriculum is a list of :class:`Stage`: from step ``start`` on, training scenes are drawn with the stage's
 ``max_objects`` and ``object_size`` (the generator's options, the same ``make_shards.py --option`` writes into
-shards). Scoring is on held-out scenes (the generator's ``eval`` split) of ``eval_objects`` / ``eval_size``:
+shards). Scoring is on held-out scenes (the generator's ``eval`` split) of ``eval_objects`` / ``eval_size`` (with
+``eval_min_objects`` > 1, only scenes of at least that many objects: the binding questions, "What colour is the
+square?" among others, without the one-object scenes where no binding is needed):
 an answer is right when greedy decoding reproduces it exactly (teacher-forced argmax of every answer token and the
 closing ``<|end|>``, which is what greedy generation emits). Next to each accuracy the probe reports the chance
 level (the best constant answer on the same items: what a blind model that learned the answer prior scores) and
@@ -62,6 +64,7 @@ class ProbeConfig:
     eval_every: int = 100
     eval_n: int = 200
     eval_objects: int = 1
+    eval_min_objects: int = 1  # held-out scenes with fewer objects are left out
     eval_size: tuple[float, float] | None = None
     seed: int = 0
     caption_share: float = 0.0  # share of training samples that are captioned scenes (loss on the whole caption)
@@ -145,6 +148,8 @@ def check_config(cfg: ProbeConfig) -> None:
     if "needle" in cfg.types:  # only a probe that draws needles pays for drawing one here
         low, high = cfg.needle_units
         next(synthetic.generate("needles", 1, 0, min_units=low, max_units=high, modalities=cfg.needle_modalities))
+    if not 1 <= cfg.eval_min_objects <= cfg.eval_objects:
+        raise ValueError(f"need 1 <= eval_min_objects <= eval_objects, got {cfg.eval_min_objects}, {cfg.eval_objects}")
     if cfg.turns not in ("one", "all"):
         raise ValueError(f"turns must be 'one' or 'all', got {cfg.turns!r}")
     if not 0.0 <= cfg.caption_share < 1.0:
@@ -171,7 +176,11 @@ class SeeingProbe:
             **{**self.processor.special_token_ids, **cfg.overrides},
         )
         self.skipped: Counter = Counter()  # training samples skipped, by kind (too_long: longer than seq_len)
-        eval_stream = scene_questions(cfg, "eval", cfg.eval_objects, cfg.eval_size, cfg.seed)
+        eval_stream = (
+            sample
+            for sample in scene_questions(cfg, "eval", cfg.eval_objects, cfg.eval_size, cfg.seed)
+            if sample.meta.get("objects", cfg.eval_min_objects) >= cfg.eval_min_objects  # needles have no objects
+        )
         self.eval_items = [next(eval_stream) for _ in range(cfg.eval_n)]
 
     def batches(self) -> Iterator[tuple[int, dict]]:

@@ -42,7 +42,7 @@ from data_pipelines.schema import SkipSample, decode_sample, open_image
 from data_pipelines.tar_reader import TruncatedTar, expand_shards, read_tar_groups, skip_marked
 from data_pipelines.tokenizer import load_tokenizer, pad_id
 from vision_tower import ImageProcessor, VisionTower
-from vision_tower.pretrain import CaptionClassPretrainer, ContrastivePretrainer, caption_idf
+from vision_tower.pretrain import CaptionClassPretrainer, ContrastivePretrainer, caption_idf, pair_vocabulary
 from vision_tower.tower import SUMMARY_PREFIX
 from vlm.config import VISION_PRESETS, ConceptMoEVLMConfig
 
@@ -69,6 +69,7 @@ class VisionPretrainConfig:
     preset: str = "tiny"  # the VLM preset whose tower is trained
     tower: dict = field(default_factory=dict)  # TOWER_FIELDS overrides (the VLM config's names)
     objective: str = "siglip"  # one of OBJECTIVES
+    label_pairs: int = 0  # multilabel: word pairs up to this many informative tokens apart are labels too (0: off)
     max_patches: int = 64
     pixel_shuffle: int = 2
     steps: int = 600
@@ -96,6 +97,10 @@ class VisionPretrainConfig:
             raise ValueError(f"out {str(self.out)!r} exists; choose another path or pass overwrite (--overwrite)")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {list(OBJECTIVES)}, got {self.objective!r}")
+        if self.label_pairs < 0 or (self.label_pairs and self.objective != "multilabel"):
+            raise ValueError(
+                f"label_pairs must be >= 0, and > 0 only with objective multilabel, got {self.label_pairs}"
+            )
         if self.batch_size < 2 or self.steps < 1 or self.warmup < 1:
             raise ValueError("batch_size must be >= 2, steps >= 1 and warmup >= 1")
         world = world_size()
@@ -200,11 +205,16 @@ def forward(model: ContrastivePretrainer | CaptionClassPretrainer, batch: dict):
     return model(batch["patches"], batch["patch_coord"], batch["patch_valid"], batch["ids_BT"], batch["mask_BT"])
 
 
-def build_pretrainer(objective: str, tower: VisionTower, train: list[Pair], vocab_size: int):
-    """The objective's model around ``tower``; the caption-word objectives take their IDF from ``train``."""
+def build_pretrainer(objective: str, tower: VisionTower, train: list[Pair], vocab_size: int, label_pairs: int = 0):
+    """The objective's model around ``tower``; the caption-word objectives take their IDF (and with ``label_pairs``,
+    their word-pair labels) from ``train``."""
     if objective in CAPTION_LOSS:
-        idf_V = caption_idf([ids for _, ids in train], vocab_size)
-        return CaptionClassPretrainer(tower, idf_V, loss=CAPTION_LOSS[objective])
+        captions = [ids for _, ids in train]
+        idf_V = caption_idf(captions, vocab_size)
+        pairs = pair_vocabulary(captions, idf_V, label_pairs) if label_pairs else None
+        return CaptionClassPretrainer(
+            tower, idf_V, loss=CAPTION_LOSS[objective], pairs=pairs, pair_window=label_pairs or 4
+        )
     return ContrastivePretrainer(tower, vocab_size, max_caption_tokens=MAX_CAPTION_TOKENS)
 
 
@@ -246,7 +256,9 @@ def pretrain_vision(cfg: VisionPretrainConfig, log: Callable[[str], None] = prin
     held_out = read_pairs(cfg.eval_shards, tokenizer, MAX_CAPTION_TOKENS, skipped, log) if cfg.eval_shards else []
     if len(train) < cfg.batch_size:
         raise ValueError(f"{len(train)} image-caption pairs in the shards, fewer than batch_size {cfg.batch_size}")
-    model = build_pretrainer(cfg.objective, tower, train, len(tokenizer))
+    model = build_pretrainer(cfg.objective, tower, train, len(tokenizer), cfg.label_pairs)
+    if cfg.label_pairs:
+        log(f"pretrain_vision: {len(model.pairs)} word-pair labels (window {cfg.label_pairs}) beside the words")
     log(f"pretrain_vision: {len(train)} train / {len(held_out)} held-out pairs; skipped {dict(skipped) or 'none'}")
     read_skips = Counter(skipped)  # every rank read every shard: counted once; later skips are each rank's own
     if world > 1:

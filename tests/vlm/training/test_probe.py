@@ -52,6 +52,7 @@ def test_probe_cli_refuses_bad_settings_in_one_line(capsys):
         (["--stage", "0:1:0.8-0.95:shape:x"], "expected START:MAX_OBJECTS[:LOW-HIGH][:TYPES]"),
         (["--set", "pixel_shuffle"], "expected FIELD=JSON"),
         (["--turns", "some"], "turns must be 'one' or 'all'"),
+        (["--eval-objects", "3", "--eval-min-objects", "4"], "eval_min_objects <= eval_objects"),
         (["--types", "needle", "--needle-units", "3-1"], "min_units <= max_units"),
         (["--types", "needle", "--needle-modalities", "audio"], "modalities must be"),
         (["--seq-len", "32", "--steps", "1", "--eval-n", "1"], "skipped (too_long"),  # counted, then refused
@@ -79,3 +80,13 @@ def test_stage_syntax_takes_the_question_types_a_stage_trains():
     multi = training_samples(ProbeConfig(types=("colour", "shape"), turns="all"), Stage(0, 1), 0)
     for sample in (next(multi) for _ in range(4)):  # both questions of a scene in one conversation
         assert sample.meta["type"] == "multi" and sorted(sample.meta["types"]) == ["colour", "shape"]
+
+
+def test_held_out_binding_questions_come_from_scenes_of_several_objects():
+    """``eval_min_objects`` 2: every held-out question is about a scene of 2-3 objects, asked the trained types."""
+    cfg = ProbeConfig(types=("colour", "shape"), eval_objects=3, eval_min_objects=2, eval_n=40, steps=1)
+    items = SeeingProbe(cfg).eval_items
+    assert len(items) == 40 and {s.meta["type"] for s in items} == {"colour", "shape"}
+    assert all(2 <= s.meta["objects"] <= 3 for s in items)
+    mixed = SeeingProbe(ProbeConfig(types=("colour",), eval_objects=3, eval_n=40, steps=1)).eval_items
+    assert {s.meta["objects"] for s in mixed} == {1, 2, 3}
