@@ -28,7 +28,11 @@ training shards use the ``"train"`` split. Deterministic: the same seed gives by
 
 Buckets are interleaved (bucket 0 sample 0, bucket 1 sample 0, ...), so ``--limit k`` sees every bucket early.
 Each manifest also holds the task's chance levels (``chance``: metric -> the score of the best constant answer,
-``chance_constant``: that answer; see ``eval.chance``), computed from the written ``test.jsonl``.
+``chance_constant``: that answer; see ``eval.chance``), computed from the written ``test.jsonl``, and for the
+``cmoe_sceneqa`` ``unbound``: per colour / shape / position metric, the score of a reader that knows every value of
+the asked attribute in the scene but not which object has which, and names one of them at random (each doc's
+``unbound``: 1 / the distinct values among its scene's objects). A score at that level reads the scene's colours
+(or shapes) without binding them to the object the question names.
 """
 
 from __future__ import annotations
@@ -186,7 +190,11 @@ def sceneqa_rows(n: int, seed: int, images_dir: Path, task: str = "cmoe_sceneqa"
             if not items:
                 continue
             qa = rng.choice(items)
+            binding = {}
+            if qtype != "count":  # the share of right answers of one of the scene's values named at random
+                binding["unbound"] = round(1 / len({o[qtype] for o in meta["objects"]}), 6)
             yield {
+                **binding,
                 "id": f"sceneqa-{i:05d}-{qtype}",
                 "key": sample.key,
                 "group": qtype,
@@ -206,6 +214,16 @@ def sceneqa_rows(n: int, seed: int, images_dir: Path, task: str = "cmoe_sceneqa"
 
 def _masks(docs: list[dict], key: str, values) -> dict:
     return {value: [d[key] == value for d in docs] for value in values}
+
+
+def unbound_levels(docs: list[dict]) -> dict[str, float]:
+    """``acc_<type>`` -> the mean of the docs' ``unbound`` over the docs of that type (types without it: left out)."""
+    out = {}
+    for qtype in SCENEQA_TYPES:
+        values = [d["unbound"] for d in docs if d.get("type") == qtype and "unbound" in d]
+        if values:
+            out[f"acc_{qtype}"] = sum(values) / len(values)
+    return out
 
 
 def chance_levels(task: str, docs: list[dict]) -> tuple[dict, dict]:
@@ -249,7 +267,9 @@ def _write_task(out: Path, task: str, rows: Iterator[dict], options: dict) -> di
     text = "".join(lines)
     (data_dir / "test.jsonl").write_text(text, encoding="utf-8")
     written = (data_dir / "test.jsonl").read_text(encoding="utf-8").splitlines()
-    levels, constants = chance_levels(task, [json.loads(line) for line in written])
+    docs = [json.loads(line) for line in written]
+    levels, constants = chance_levels(task, docs)
+    unbound = unbound_levels(docs) if SCENEQA_TASKS.get(task, 1) > 1 else {}  # one object: nothing to bind
     manifest = {
         "task": task,
         "docs": len(lines),
@@ -257,6 +277,7 @@ def _write_task(out: Path, task: str, rows: Iterator[dict], options: dict) -> di
         "jsonl_sha256": hashlib.sha256(text.encode()).hexdigest(),
         "chance": levels,
         "chance_constant": constants,
+        **({"unbound": unbound} if unbound else {}),
     }
     (data_dir / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return manifest

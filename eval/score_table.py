@@ -14,6 +14,10 @@ Reads, under ``EVAL_OUTPUT_DIR`` (lmms-eval's ``--output_path``):
   scored, and ``p``, the one-sided binomial tail P(X >= right | n, chance): how likely a model that only knows the
   best constant answer scores this well. Both only for metrics whose every per-sample score is 0 or 1 (a plain
   number, or cmoe_sceneqa's typed ``{"score", "type"}`` items, counted under ``acc_<type>``); empty otherwise.
+- the manifest's ``unbound`` levels, where it has them (the sceneqa tasks' colour / shape / position: a reader that
+  names one of the scene's values at random, knowing them all but not which object has which), and ``p unbound``,
+  the binomial tail against that level: whether the answers bind an attribute to the object the question names.
+  The two columns appear only in tables that have such a level.
 
 Writes ``score_table.md`` (the markdown table) and ``score_table.json`` (the same rows) into ``EVAL_OUTPUT_DIR``
 and returns the markdown. When the results name a local model folder (lmms-eval's ``pretrained=DIR``) whose model
@@ -36,6 +40,7 @@ from vlm.model_card import set_scores
 logger = logging.getLogger(__name__)
 
 COLUMNS = ("task", "metric", "score", "chance", "n", "p", "R total", "R text", "R image")
+BINDING_COLUMNS = ("unbound", "p unbound")  # after "p", in tables with an unbound level
 R_KEYS = ("r", "r_text", "r_image")
 
 
@@ -79,14 +84,15 @@ def task_r(eval_dir: Path) -> dict[str, dict[str, float | None]]:
     return out
 
 
-def task_chance(tasks_dir: Path, task: str) -> dict[str, float | None]:
-    """metric -> chance level from the task's data manifest ({} when there is none)."""
+def task_chance(tasks_dir: Path, task: str, key: str = "chance") -> dict[str, float | None]:
+    """metric -> chance level (``key`` "unbound": the binding-free reader's level) from the task's data manifest
+    ({} when there is none)."""
     path = tasks_dir / task / "data" / "manifest.json"
     manifest = _read_json(path) if path.is_file() else None
     if manifest is None:
         logger.warning("%s: no manifest, chance levels left empty (run scripts/make_eval_data.py)", path)
         return {}
-    return {m: _num(v) for m, v in (manifest.get("chance") or {}).items()}
+    return {m: _num(v) for m, v in (manifest.get(key) or {}).items()}
 
 
 def binomial_tail(right: int, n: int, p: float) -> float:
@@ -166,7 +172,7 @@ def rows(eval_dir: str | Path, tasks_dir: str | Path = DEFAULT_OUT) -> list[dict
     r, counts = task_r(eval_dir), sample_counts(eval_dir)
     out = []
     for task in sorted(results):
-        chance = task_chance(tasks_dir, task)
+        chance, unbound = task_chance(tasks_dir, task), task_chance(tasks_dir, task, "unbound")
         task_r_values = r.get(task, {})
         for metric, score in results[task].items():
             n, right = counts.get(task, {}).get(metric, (None, None))
@@ -184,6 +190,9 @@ def rows(eval_dir: str | Path, tasks_dir: str | Path = DEFAULT_OUT) -> list[dict
                     "r_image": task_r_values.get("r_image"),
                 }
             )
+            if (bound := unbound.get(metric)) is not None:
+                out[-1]["unbound"] = bound
+                out[-1]["p_unbound"] = binomial_tail(right, n, bound) if n else None
     return out
 
 
@@ -193,12 +202,19 @@ def _cell(value, digits: int) -> str:
     return f"{value:.{digits}f}" if isinstance(value, float | int) else str(value)
 
 
+def _p(value: float | None) -> str:
+    return "" if value is None else f"{value:.2g}"
+
+
 def markdown(table: list[dict]) -> str:
     """The rows as a markdown table (scores and chance with 3 decimals, p with 2 significant digits, R with 2)."""
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * 2 + "---:|" * 7]
+    binding = any("unbound" in row for row in table)
+    columns = COLUMNS[:6] + BINDING_COLUMNS * binding + COLUMNS[6:]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * 2 + "---:|" * (len(columns) - 2)]
     for row in table:
         cells = [row["task"], row["metric"], _cell(row["score"], 3), _cell(row["chance"], 3)]
-        cells += [_cell(row.get("n"), 0), "" if row.get("p") is None else f"{row['p']:.2g}"]
+        cells += [_cell(row.get("n"), 0), _p(row.get("p"))]
+        cells += [_cell(row.get("unbound"), 3), _p(row.get("p_unbound"))] if binding else []
         cells += [_cell(row[k], 2) for k in R_KEYS]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -221,6 +237,7 @@ def write_table(eval_dir: str | Path, tasks_dir: str | Path = DEFAULT_OUT, out: 
 
 CARD_NOTE = (
     "Scored with lmms-eval through the ConceptMoE-VLM plugin. chance: the best constant answer's score on the same "
-    "items; p: the one-sided binomial tail of a model that only knows that answer; R: tokens per concept in eval "
-    "mode, per modality.\n\n"
+    "items; p: the one-sided binomial tail of a model that only knows that answer; unbound (scene questions): a "
+    "reader that names one of the scene's colours / shapes / positions at random, p unbound its tail; R: tokens per "
+    "concept in eval mode, per modality.\n\n"
 )

@@ -201,6 +201,14 @@ def test_sceneqa_docs(eval_tasks_dir, task):
         types = [qa["type"] for qa in sample.qa]
         assert [d["type"] for d in scene_docs] == [t for t in SCENEQA_TYPES if t in types]  # one doc per type, in order
         assert all({"q": d["question"], "a": d["answer"], "type": d["type"]} in sample.qa for d in scene_docs)
+        for d in scene_docs:  # a reader of the scene's values that cannot bind them: one of them at random
+            values = {o[d["type"]] for o in sample.meta["objects"]} if d["type"] != "count" else None
+            assert d.get("unbound") == (None if values is None else pytest.approx(1 / len(values)))
+    unbound = json.loads((eval_tasks_dir / task / "data" / "manifest.json").read_text()).get("unbound", {})
+    for t in ("colour", "shape", "position") if task == "cmoe_sceneqa" else ():  # one object: nothing to bind
+        levels = [d["unbound"] for d in docs if d["type"] == t]
+        assert unbound.get(f"acc_{t}") == (pytest.approx(sum(levels) / len(levels)) if levels else None)
+    assert task == "cmoe_sceneqa" or unbound == {}
     scores = common.sceneqa_results(docs[0], [docs[0]["answer"].upper() + ". "])
     assert scores["acc"] == 1.0 and scores[f"acc_{docs[0]['type']}"] == {"score": 1.0, "type": docs[0]["type"]}
     assert common.sceneqa_results(docs[0], ["no idea"])["acc"] == 0.0

@@ -155,3 +155,26 @@ def test_table_goes_into_the_scored_exports_model_card(folders, tmp_path):
     card = (export / "README.md").read_text()
     assert text in card and "chance: the best constant answer" in card
     assert card.index("## Evaluation") < card.index(text) < card.index("## How to load")
+
+
+def test_unbound_level_and_its_tail_appear_only_where_the_manifest_has_one(folders):
+    """A sceneqa manifest with ``unbound`` levels adds the two binding columns; the tail is taken against that
+    level with the same n and right answers as ``p``; tasks without it leave the cells empty."""
+    out, tasks = folders
+    path = tasks / "cmoe_sceneqa" / "data" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    path.write_text(json.dumps(manifest | {"unbound": {"acc_count": 0.5}}))
+    model = out / "runs__demo__hf"
+    lines = [
+        {"doc_id": i, "acc": float(i < 5), "acc_count": {"score": float(i < 5), "type": "count"}} for i in range(6)
+    ]
+    (model / "20250102_000000_samples_cmoe_sceneqa.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    table = rows(out, tasks)
+    got = {(r["task"], r["metric"]): r for r in table}
+    count = got["cmoe_sceneqa", "acc_count"]
+    assert count["unbound"] == 0.5 and count["p_unbound"] == pytest.approx(binomial_tail(5, 6, 0.5))
+    assert count["p"] == pytest.approx(binomial_tail(5, 6, 0.3)) and "unbound" not in got["cmoe_refloc", "IoU"]
+    text = markdown(table).splitlines()
+    assert text[0] == "| task | metric | score | chance | n | p | unbound | p unbound | R total | R text | R image |"
+    assert f"| cmoe_sceneqa | acc_count | 0.900 | 0.300 | 6 | {count['p']:.2g} | 0.500 | 0.11 |" in "\n".join(text)
+    assert "| cmoe_refloc | IoU | 0.400 |  |  |  |  |  |  |  |  |" in text
