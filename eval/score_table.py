@@ -96,10 +96,17 @@ def task_chance(tasks_dir: Path, task: str, key: str = "chance") -> dict[str, fl
 
 
 def binomial_tail(right: int, n: int, p: float) -> float:
-    """P(X >= right) for X ~ Binomial(n, p)."""
-    if right <= 0:
+    """P(X >= right) for X ~ Binomial(n, p), summed in log space (exact terms overflow a float past n ~ 1,000)."""
+    if right <= 0 or p >= 1.0:
         return 1.0
-    return min(1.0, sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(right, n + 1)))
+    if right > n or p <= 0.0:
+        return 0.0
+    logs = [
+        math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * math.log(p) + (n - i) * math.log1p(-p)
+        for i in range(right, n + 1)
+    ]
+    top = max(logs)
+    return min(1.0, math.exp(top) * sum(math.exp(v - top) for v in logs))
 
 
 def _binary_items(line: dict) -> dict[str, float]:

@@ -2,6 +2,7 @@
 manifests, R from the R report (or computed from the per-sample records)."""
 
 import json
+import math
 import os
 import runpy
 import sys
@@ -136,6 +137,12 @@ def test_n_and_binomial_p_from_the_sample_logs_for_0_1_metrics_only(folders):
     assert got["cmoe_sceneqa", "acc_count"]["p"] == pytest.approx(6 * 0.3**5 * 0.7 + 0.3**6)
     assert got["cmoe_refloc", "IoU"]["n"] is None and got["cmoe_refloc", "IoU"]["p"] is None
     assert binomial_tail(0, 5, 0.5) == 1.0 and binomial_tail(3, 3, 0.5) == pytest.approx(0.125)
+    assert binomial_tail(2, 5, 0.0) == 0.0 and binomial_tail(6, 5, 0.5) == 0.0 and binomial_tail(2, 5, 1.0) == 1.0
+    # a thousand docs: the exact sum's terms overflow a float; by symmetry the tail past the mean at p 0.5 is
+    # (1 + P(X = 500)) / 2
+    half = math.comb(1000, 500) / 2**1000
+    assert binomial_tail(500, 1000, 0.5) == pytest.approx((1 + half) / 2, rel=1e-9)
+    assert 0.0 < binomial_tail(560, 1073, 0.4) < 1e-15
 
 
 def test_table_goes_into_the_scored_exports_model_card(folders, tmp_path):
