@@ -34,17 +34,18 @@ LINT := $(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/lint-impor
 test: venv
 	$(LINT) && $(BIN)/python -m pytest -q tests
 
-# The main job, end to end on CPU: synthetic shards -> stage 0 (the vision tower alone learns the words of one-object
-# scene captions as labels: scripts/pretrain_vision.py --objective multilabel, conv stem, 128 wide) -> stage 1a (the
-# language model and projector, tower frozen, on the colour of one large object: colour first, docs/seeing.md) ->
-# stage 1b (from 1a's export: colour / shape / position questions about one object, large or small: learn to look;
-# every image token also carries the image's summary from stage 0's pool: vision_summary) -> stage 2 (all but the
-# tower, at a lower lr: the eval tasks' conversations, one-object scenes of every size and question type, and more
-# colour / shape / position questions on small single objects, loss on the answers) with 2-process
-# DeepSpeed -> HF exports -> per-modality R report -> lmms-eval on the five local tasks through the conceptmoe plugin
-# (chat template) -> per-task R report -> score table (score, chance, R per modality) -> the concepts of one held-out
-# sample (scripts/show_concepts.py: runs/demo/concepts.png, .html).
-# `make instruct-long` is the same recipe with a longer stage 2 (scripts/configs/stage2_long.yaml, 50 min).
+# The main job, end to end on CPU: synthetic shards -> stage 0 (the vision tower alone learns the words of
+# one-object scene captions as labels: scripts/pretrain_vision.py --objective multilabel, conv stem, 128 wide) ->
+# stage 1a (the language model and projector, tower frozen, on the colour of one large object: colour first,
+# docs/seeing.md) -> stage 1b (from 1a's export: colour / shape / position questions about one object, large or
+# small: learn to look; every image token also carries the image's summary from stage 0's pool: vision_summary) ->
+# stage 2 (all but the tower, at a lower lr: the eval tasks' conversations, one-object scenes of every size and
+# question type, and more colour / shape / position questions on small single objects, loss on the answers) with
+# 2-process DeepSpeed -> HF exports -> per-modality R report -> lmms-eval on the five local tasks through the
+# conceptmoe plugin (chat template) -> per-task R report -> score table (score, chance, R per modality) -> the
+# concepts of one held-out sample (scripts/show_concepts.py: runs/demo/concepts.png, .html).
+# `make instruct-long` is the same recipe with a longer stage 2 (scripts/configs/stage2_long.yaml, 50 min), its
+# stage 0 on scenes of 1-3 objects too.
 DEMO_DATA := data/demo
 DEMO_RUN := runs/demo
 STAGE2 := scripts/configs/stage2.yaml
@@ -64,6 +65,11 @@ TOWER_STEPS ?= 2400
 # STAGE1_SET="--set model.overrides.vision_embed_dim=64 --set model.overrides.vision_heads=2"
 TOWER_SET ?= --set 'vision_stem="conv"' --set vision_embed_dim=128 --set vision_heads=4
 TOWER_SEED ?= $(SEED)
+# Its captioned scenes: one object of 12-95% of the short side. `make instruct-long` adds as many scenes of 1-3
+# objects, whose captions say which colour goes with which shape: the tower then carries more binding and the longer
+# recipe counts among several objects, while in the demo's short stages the answers read one object's shape less
+# (docs/seeing.md, "Binding").
+TOWER_SHARDS ?= $(DEMO_DATA)/vision/train
 TASK_SAMPLES := 1000
 EVAL_LIMIT := 200
 EVAL_TASKS := cmoe_sceneqa_one,cmoe_sceneqa,cmoe_refloc,cmoe_niah,cmoe_longdoc
@@ -94,10 +100,10 @@ demo: venv demo-shards
 		--option max_objects=1 --option object_size=0.12,0.95 --out $(DEMO_DATA)/vision --num-samples 6000 --seed 3
 	rm -rf $(DEMO_RUN)
 	$(BIN)/torchrun --standalone --nproc_per_node 2 scripts/pretrain_vision.py --objective multilabel \
-		--shards $(DEMO_DATA)/vision/train --eval-shards $(DEMO_DATA)/vision/eval --steps $(TOWER_STEPS) \
+		--shards $(TOWER_SHARDS) --eval-shards $(DEMO_DATA)/vision/eval --steps $(TOWER_STEPS) \
 		--batch-size 32 --eval-every $(TOWER_STEPS) --log-every 100 $(TOWER_SET) --threads 1 --seed $(TOWER_SEED) \
 		--out $(DEMO_RUN)/tower/tower.safetensors
-	$(BIN)/python scripts/probe_tower.py $(DEMO_RUN)/tower/tower.safetensors --threads 2 \
+	$(BIN)/python scripts/probe_tower.py $(DEMO_RUN)/tower/tower.safetensors --threads 2 --binding \
 		--json $(DEMO_RUN)/tower/probe.json
 	$(DS) --config scripts/configs/stage1_colour.yaml --out $(DEMO_RUN)/stage1_colour \
 		--set 'data.shards=[$(DEMO_DATA)/look_colour/train]' \
@@ -122,7 +128,7 @@ demo: venv demo-shards
 		--index 0 --out $(DEMO_RUN)/concepts.png --html
 	@echo "shards:        $(DEMO_DATA)/{vision,look_colour,look,look_small,one,tasks}/{train,eval} (manifest.json in each)"
 	@echo "tower:         $(DEMO_RUN)/tower/tower.safetensors (stage 0; .json: settings, held-out R-precision;"
-	@echo "               probe.json: what it carries, linear probes of colour / shape / position)"
+	@echo "               probe.json: what it carries, linear probes of colour / shape / position / binding)"
 	@echo "metrics:       $(DEMO_RUN)/stage{1_colour,1,2}/metrics.jsonl (TensorBoard: tb/ beside them)"
 	@echo "HF exports:    $(DEMO_RUN)/stage{1_colour,1,2}/hf (AutoProcessor / AutoModelForImageTextToText, pipeline)"
 	@echo "R report:      $(DEMO_RUN)/stage2/r_report.json, .png"
@@ -133,7 +139,10 @@ demo: venv demo-shards
 instruct-long: venv
 	test -f $(DEMO_DATA)/scenes_chat/train/manifest.json || $(BIN)/python scripts/make_shards.py \
 		--synthetic scenes_chat --out $(DEMO_DATA)/scenes_chat --num-samples 8000 --eval-samples 200 --seed 1
+	test -f $(DEMO_DATA)/vision_multi/train/manifest.json || $(BIN)/python scripts/make_shards.py \
+		--synthetic scenes --option max_objects=3 --out $(DEMO_DATA)/vision_multi --num-samples 6000 --seed 5
 	$(MAKE) demo DEMO_RUN=runs/instruct-long STAGE2=scripts/configs/stage2_long.yaml \
+		TOWER_SHARDS="$(DEMO_DATA)/vision/train $(DEMO_DATA)/vision_multi/train" \
 		STAGE2_SHARDS=$(DEMO_DATA)/tasks/train,$(DEMO_DATA)/one/train,$(DEMO_DATA)/look_small/train,$(DEMO_DATA)/scenes_chat/train
 
 # The compute-matched study (scripts/configs/study.yaml): every arm trained and evaluated as above, one table, plots
