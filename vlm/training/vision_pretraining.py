@@ -218,6 +218,13 @@ def build_pretrainer(objective: str, tower: VisionTower, train: list[Pair], voca
     return ContrastivePretrainer(tower, vocab_size, max_caption_tokens=MAX_CAPTION_TOKENS)
 
 
+def data_line(train: list[Pair], held_out: list[Pair], skipped: Counter, model) -> str:
+    """The log line of what was read: pairs, word-pair labels (with ``label_pairs``) and skips by kind."""
+    labels = f"; {len(model.pairs)} word-pair labels" if getattr(model, "pairs", None) else ""
+    read = f"pretrain_vision: {len(train)} train / {len(held_out)} held-out pairs{labels}"
+    return f"{read}; skipped {dict(skipped) or 'none'}"
+
+
 def train_step(model, opt: torch.optim.Optimizer, batch: dict, lr: float, world: int):
     """One AdamW step at ``lr`` on this rank's share of the batch, gradients averaged over the ranks, clipped to
     norm 1; returns the model's output."""
@@ -257,9 +264,7 @@ def pretrain_vision(cfg: VisionPretrainConfig, log: Callable[[str], None] = prin
     if len(train) < cfg.batch_size:
         raise ValueError(f"{len(train)} image-caption pairs in the shards, fewer than batch_size {cfg.batch_size}")
     model = build_pretrainer(cfg.objective, tower, train, len(tokenizer), cfg.label_pairs)
-    if cfg.label_pairs:
-        log(f"pretrain_vision: {len(model.pairs)} word-pair labels (window {cfg.label_pairs}) beside the words")
-    log(f"pretrain_vision: {len(train)} train / {len(held_out)} held-out pairs; skipped {dict(skipped) or 'none'}")
+    log(data_line(train, held_out, skipped, model))
     read_skips = Counter(skipped)  # every rank read every shard: counted once; later skips are each rank's own
     if world > 1:
         log(f"pretrain_vision: {world} processes, {cfg.batch_size // world} pairs each per step")
