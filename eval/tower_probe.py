@@ -16,7 +16,7 @@ come from fixed seeds, so two towers are compared on the same pictures.
 With ``binding`` (:func:`probe_binding`), one more attribute, ``colour_of_shape``: scenes of 2-3 objects, and per
 shape one probe that reads the colour of that shape's object (on the scenes holding exactly one of it), as
 "What colour is the square?" asks. A tower that carries the colours present but not which object wears which gives
-a reader at best ``unbound`` = the mean of 1 / (objects in the scene): one of the scene's colours at random.
+a reader at best ``unbound`` = the mean of 1 / (the scene's distinct colours): one of them named at random.
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def probe_binding(
             right += linear_probe_accuracy(x_train, y_train, x_test, y_test) * len(y_test)
             majority = Counter(y_train).most_common(1)[0][0]
             chance += sum(y == majority for y in y_test)
-            unbound += sum(1 / len(test_scenes[i]) for i in test_idx)
+            unbound += sum(1 / len({o["colour"] for o in test_scenes[i]}) for i in test_idx)
             items += len(y_test)
         scores.append(ProbeScore(features, BINDING, right / items, chance / items, n_train, n_test, unbound / items))
     return scores
