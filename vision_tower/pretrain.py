@@ -174,8 +174,9 @@ PAIR_MIN_COUNT = 5  # a pair of words is a label when at least this many trainin
 def word_pairs(ids: Sequence[int], idf: Sequence[float], window: int) -> set[tuple[int, int]]:
     """Ordered pairs ``(a, b)`` of a caption's informative token ids (IDF > 0: the words a bag-of-words label
     keeps), ``b`` at most ``window`` informative tokens after ``a``: in "a small red square at the top left" with
-    window 4, "red" pairs with "square", "at" and "left"'s neighbours, so colour-shape, shape-position and
-    colour-position bindings are labels (a word the tokenizer splits gives several ids; its pieces pair too)."""
+    window 4 ("the" is in every caption), "red" pairs with "square", "at", "top" and "left", so colour-shape,
+    shape-position and colour-position bindings are labels (a word the tokenizer splits gives several ids; its
+    pieces pair too)."""
     kept = [t for t in ids if idf[t] > 0]
     return {(a, kept[j]) for i, a in enumerate(kept) for j in range(i + 1, min(i + 1 + window, len(kept)))}
 
