@@ -26,7 +26,15 @@ from data_pipelines.prompts import BOX_DECIMALS, format_box
 from eval import metrics
 
 GRID_STEP = 0.05
+
 Score = Callable[[str, str], float]  # (constant prediction, reference answer) -> score
+
+
+def unbound_share(objects: Sequence[dict], attribute: str) -> float:
+    """How often a reader is right that knows every value of ``attribute`` among a scene's ``objects`` but not which
+    object has which, and names one of them at random: 1 / the distinct values (the ``unbound`` level of a binding
+    question such as "What colour is the square?")."""
+    return 1 / len({o[attribute] for o in objects})
 
 
 def score_matrix(answers: Sequence[str], score: Score) -> tuple[list[str], np.ndarray]:

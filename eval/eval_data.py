@@ -192,7 +192,7 @@ def sceneqa_rows(n: int, seed: int, images_dir: Path, task: str = "cmoe_sceneqa"
             qa = rng.choice(items)
             binding = {}
             if qtype != "count":  # the share of right answers of one of the scene's values named at random
-                binding["unbound"] = round(1 / len({o[qtype] for o in meta["objects"]}), 6)
+                binding["unbound"] = round(chance.unbound_share(meta["objects"], qtype), 6)
             yield {
                 **binding,
                 "id": f"sceneqa-{i:05d}-{qtype}",

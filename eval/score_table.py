@@ -84,15 +84,15 @@ def task_r(eval_dir: Path) -> dict[str, dict[str, float | None]]:
     return out
 
 
-def task_chance(tasks_dir: Path, task: str, key: str = "chance") -> dict[str, float | None]:
-    """metric -> chance level (``key`` "unbound": the binding-free reader's level) from the task's data manifest
-    ({} when there is none)."""
+def task_levels(tasks_dir: Path, task: str) -> tuple[dict[str, float | None], dict[str, float | None]]:
+    """(metric -> chance level, metric -> unbound level) from the task's data manifest, read once (both {} when
+    there is none; the unbound levels {} for a task without them)."""
     path = tasks_dir / task / "data" / "manifest.json"
     manifest = _read_json(path) if path.is_file() else None
     if manifest is None:
         logger.warning("%s: no manifest, chance levels left empty (run scripts/make_eval_data.py)", path)
-        return {}
-    return {m: _num(v) for m, v in (manifest.get(key) or {}).items()}
+        return {}, {}
+    return tuple({m: _num(v) for m, v in (manifest.get(key) or {}).items()} for key in ("chance", "unbound"))
 
 
 def binomial_tail(right: int, n: int, p: float) -> float:
@@ -179,7 +179,7 @@ def rows(eval_dir: str | Path, tasks_dir: str | Path = DEFAULT_OUT) -> list[dict
     r, counts = task_r(eval_dir), sample_counts(eval_dir)
     out = []
     for task in sorted(results):
-        chance, unbound = task_chance(tasks_dir, task), task_chance(tasks_dir, task, "unbound")
+        chance, unbound = task_levels(tasks_dir, task)
         task_r_values = r.get(task, {})
         for metric, score in results[task].items():
             n, right = counts.get(task, {}).get(metric, (None, None))

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from data_pipelines.synthetic.scenes import SHAPES, render_scene
+from eval.chance import unbound_share
 from vision_tower import ImageProcessor, VisionTower
 from vlm.config import ConceptMoEVLMConfig
 
@@ -122,14 +123,23 @@ def linear_probe_accuracy(
     return sum(classes[p] == y for p, y in zip(predicted, y_test, strict=True)) / len(y_test)
 
 
+def _scene_features(make, tower: VisionTower, n_train: int, n_test: int, seed: int, max_patches: int):
+    """((train features, train labels), (test features, test labels)): ``make(n, seed)`` scenes, train from ``seed``
+    and test from ``seed + 1``, through :func:`tower_features`."""
+    out = []
+    for n, scene_seed in ((n_train, seed), (n_test, seed + 1)):
+        images, labels = make(n, scene_seed)
+        out.append((tower_features(tower, images, max_patches), labels))
+    return out
+
+
 def probe_tower(
     tower: VisionTower, n_train: int = 2000, n_test: int = 500, seed: int = 0, max_patches: int = 64
 ) -> list[ProbeScore]:
     """One :class:`ProbeScore` per feature set and attribute (train scenes from ``seed``, test from ``seed + 1``)."""
-    train_images, train_labels = one_object_scenes(n_train, seed)
-    test_images, test_labels = one_object_scenes(n_test, seed + 1)
-    train_feats = tower_features(tower, train_images, max_patches)
-    test_feats = tower_features(tower, test_images, max_patches)
+    (train_feats, train_labels), (test_feats, test_labels) = _scene_features(
+        one_object_scenes, tower, n_train, n_test, seed, max_patches
+    )
     scores = []
     for features in FEATURE_SETS:
         if features not in train_feats:
@@ -168,10 +178,9 @@ def probe_binding(
     """One ``colour_of_shape`` :class:`ProbeScore` per feature set: per shape, a linear probe fitted to the colour
     of that shape's object; accuracy, chance (each shape's most common training colour) and ``unbound`` pooled
     over the shapes' held-out items."""
-    train_images, train_scenes = binding_scenes(n_train, seed)
-    test_images, test_scenes = binding_scenes(n_test, seed + 1)
-    train_feats = tower_features(tower, train_images, max_patches)
-    test_feats = tower_features(tower, test_images, max_patches)
+    (train_feats, train_scenes), (test_feats, test_scenes) = _scene_features(
+        binding_scenes, tower, n_train, n_test, seed, max_patches
+    )
     scores = []
     for features in train_feats:
         right = chance = unbound = items = 0.0
@@ -184,7 +193,7 @@ def probe_binding(
             right += linear_probe_accuracy(x_train, y_train, x_test, y_test) * len(y_test)
             majority = Counter(y_train).most_common(1)[0][0]
             chance += sum(y == majority for y in y_test)
-            unbound += sum(1 / len({o["colour"] for o in test_scenes[i]}) for i in test_idx)
+            unbound += sum(unbound_share(test_scenes[i], "colour") for i in test_idx)
             items += len(y_test)
         scores.append(ProbeScore(features, BINDING, right / items, chance / items, n_train, n_test, unbound / items))
     return scores

@@ -55,8 +55,13 @@ def scene_items(base: Sample, seed: int, split: str, index: int) -> list[Item]:
             expression, how = scenes.referring_expression(rng, target, objects)
             question = prompts.refloc_question(expression)
             item = {"type": "box", "q": question, "a": qa["a"], "box": qa["box"]}
-            meta = {"task": "refloc", "question": question, "expression": expression, "expression_kind": how}
-            meta["objects"] = len(objects)
+            meta = {
+                "task": "refloc",
+                "question": question,
+                "expression": expression,
+                "expression_kind": how,
+                "objects": len(objects),
+            }
             out.append((prompts.refloc(expression), qa["a"], item, meta))
     return out
 

@@ -211,10 +211,10 @@ def build_pretrainer(objective: str, tower: VisionTower, train: list[Pair], voca
     if objective in CAPTION_LOSS:
         captions = [ids for _, ids in train]
         idf_V = caption_idf(captions, vocab_size)
-        pairs = pair_vocabulary(captions, idf_V, label_pairs) if label_pairs else None
-        return CaptionClassPretrainer(
-            tower, idf_V, loss=CAPTION_LOSS[objective], pairs=pairs, pair_window=label_pairs or 4
+        pairs = (
+            dict(pairs=pair_vocabulary(captions, idf_V, label_pairs), pair_window=label_pairs) if label_pairs else {}
         )
+        return CaptionClassPretrainer(tower, idf_V, loss=CAPTION_LOSS[objective], **pairs)
     return ContrastivePretrainer(tower, vocab_size, max_caption_tokens=MAX_CAPTION_TOKENS)
 
 
