@@ -1,9 +1,11 @@
-"""Convergence: the tiny backbone, ConceptMoE on, learns to copy (an induction circuit) in a few hundred steps.
+"""Convergence: the tiny backbone, ConceptMoE on, learns to copy a repeated sequence in a few hundred steps.
 
-Copying is what needle and long-document retrieval rest on. Rows are a random token sequence followed by the same
-sequence; the loss is on the second copy. A change that breaks attention, RoPE or the chunk -> dechunk path in a
-way that stops the model from copying fails here; a causality leak (a position that sees its future) shows up as
-the first, unpredictable copy being predicted too.
+Rows are a random token sequence followed by the same sequence; the loss is on the second copy. The copy stands a
+fixed distance back, so attention by relative position alone can learn it: this is the cheap half of what needle
+and long-document retrieval rest on, not the content-addressed lookup (docs/seeing.md, "Copying a needle": at a
+random distance, with the real tokenizer's 8,192 tokens, copying needs tied embeddings and ~2,000 steps). A change
+that breaks attention, RoPE or the chunk -> dechunk path in a way that stops the model from copying fails here; a
+causality leak (a position that sees its future) shows up as the first, unpredictable copy being predicted too.
 """
 
 import torch
