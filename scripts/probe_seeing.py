@@ -60,6 +60,7 @@ def main(argv=None) -> int:
     parser.add_argument("--types", default="colour", help="question types: colour,shape,position,count,needle")
     parser.add_argument("--stage", action="append", type=parse_stage, help="a curriculum stage (repeatable)")
     ints = ("steps", "rows", "seq_len", "warmup", "max_patches", "eval_every", "eval_n", "eval_objects", "seed")
+    ints += ("copy_steps",)  # copy rows for the language model alone first (content-addressed copying, needles)
     for name in (*ints, "eval_min_objects"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     parser.add_argument("--lr", type=float, default=defaults.lr)
@@ -99,6 +100,7 @@ def main(argv=None) -> int:
         types=tuple(t.strip() for t in args.types.split(",") if t.strip()),
         stages=stages,
         **{k: getattr(args, k) for k in ("steps", "rows", "seq_len", "warmup", "max_patches", "lr", "seed")},
+        copy_steps=args.copy_steps,
         caption_share=args.caption_share,
         turns=args.turns,
         needle_units=args.needle_units,
@@ -120,6 +122,7 @@ def main(argv=None) -> int:
                 f.write(line + "\n")
 
     try:
+        probe.pretrain_copying(lambda score: print(json.dumps({"copy": asdict(score)}), flush=True))
         probe.run(report)
     except ValueError as err:  # e.g. rows too short for the conversations: one line, not a traceback
         parser.error(str(err))

@@ -91,22 +91,27 @@ def copied_share(model: ConceptMoEForCausalLM, ids_BT: torch.Tensor, labels_BT: 
     return (predicted_BT == target_BT)[mask].float().mean().item()
 
 
-def run(cfg: CopyProbeConfig, report: Callable[[CopyScore], None] = lambda score: None) -> list[CopyScore]:
-    """Trains ``cfg.steps`` steps (AdamW (0.9, 0.95), linear warmup, constant lr, grad clip 1), scoring every
-    ``eval_every`` steps and at the end; returns the scores (each also passed to ``report``)."""
+def train_copying(
+    model: ConceptMoEForCausalLM, cfg: CopyProbeConfig, report: Callable[[CopyScore], None] = lambda score: None
+) -> list[CopyScore]:
+    """Trains ``model`` (any backbone of ``cfg.vocab_size`` tokens, e.g. a VLM's ``language_model`` before its
+    first image stage) ``cfg.steps`` steps on copy rows (AdamW (0.9, 0.95), linear warmup, constant lr, grad clip
+    1), scoring every ``eval_every`` steps and at the end; returns the scores (each also passed to ``report``)."""
     check_config(cfg)
-    torch.manual_seed(cfg.seed)
-    model = ConceptMoEForCausalLM(ConceptMoEConfig.from_preset(cfg.preset, vocab_size=cfg.vocab_size, **cfg.overrides))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    if model.config.vocab_size != cfg.vocab_size:
+        raise ValueError(f"the model has {model.config.vocab_size} tokens, the copy rows {cfg.vocab_size}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     train = torch.Generator().manual_seed(cfg.seed * 2 + 1)
     held_out = copy_rows(cfg, cfg.eval_rows, torch.Generator().manual_seed(cfg.seed * 2 + 2))
     scores, started = [], time.time()
+    model.train()
     for step in range(1, cfg.steps + 1):
         ids_BT, labels_BT = copy_rows(cfg, cfg.rows, train)
         loss = model(input_ids=ids_BT, labels=labels_BT).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         for group in optimizer.param_groups:
             group["lr"] = cfg.lr * min(1.0, step / max(1, cfg.warmup))
         optimizer.step()
@@ -116,3 +121,11 @@ def run(cfg: CopyProbeConfig, report: Callable[[CopyScore], None] = lambda score
             scores.append(CopyScore(step, round(loss.item(), 4), round(copied, 3), chance, round(seconds, 1)))
             report(scores[-1])
     return scores
+
+
+def run(cfg: CopyProbeConfig, report: Callable[[CopyScore], None] = lambda score: None) -> list[CopyScore]:
+    """A fresh backbone of ``cfg.preset`` (seeded by ``cfg.seed``), trained by :func:`train_copying`."""
+    check_config(cfg)
+    torch.manual_seed(cfg.seed)
+    model = ConceptMoEForCausalLM(ConceptMoEConfig.from_preset(cfg.preset, vocab_size=cfg.vocab_size, **cfg.overrides))
+    return train_copying(model, cfg, report)

@@ -24,7 +24,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from PIL import Image
@@ -36,6 +36,7 @@ from data_pipelines.schema import Sample, SkipSample
 from data_pipelines.tokenizer import load_tokenizer
 from vision_tower import ImageProcessor
 from vlm import ConceptMoEVLM, ConceptMoEVLMConfig, VLMProcessor
+from vlm.training.copy_probe import CopyProbeConfig, CopyScore, train_copying
 
 
 @dataclass
@@ -71,6 +72,7 @@ class ProbeConfig:
     turns: str = "one"  # training scenes: one question per conversation, or "all" of a scene's in one conversation
     needle_units: tuple[int, int] = (1, 3)  # haystack units of the ``needle`` type (train and held out)
     needle_modalities: tuple[str, ...] = ("text",)  # where its needles are: text (copying), image (reading)
+    copy_steps: int = 0  # steps of copy rows (``vlm.training.copy_probe``) for the language model alone, first
 
 
 @dataclass
@@ -154,8 +156,8 @@ def check_config(cfg: ProbeConfig) -> None:
         raise ValueError(f"turns must be 'one' or 'all', got {cfg.turns!r}")
     if not 0.0 <= cfg.caption_share < 1.0:
         raise ValueError(f"caption_share must be in [0, 1), got {cfg.caption_share}")
-    if min(cfg.steps, cfg.rows, cfg.eval_every, cfg.eval_n) < 1:
-        raise ValueError("steps, rows, eval_every and eval_n must be >= 1")
+    if min(cfg.steps, cfg.rows, cfg.eval_every, cfg.eval_n) < 1 or cfg.copy_steps < 0:
+        raise ValueError("steps, rows, eval_every and eval_n must be >= 1, copy_steps >= 0")
 
 
 class SeeingProbe:
@@ -248,6 +250,16 @@ class SeeingProbe:
             seconds=round(time.time() - started, 1),
             skipped=dict(self.skipped),
         )
+
+    def pretrain_copying(self, report: Callable[[CopyScore], None] = lambda score: None) -> list[CopyScore]:
+        """``cfg.copy_steps`` steps of copy rows (a random sequence, a random gap, the sequence again: the
+        content-addressed copy a needle answer needs) for the language model alone, before any image or question;
+        nothing when ``copy_steps`` is 0. Returns the copying scores (held-out accuracy on the copy)."""
+        if not self.cfg.copy_steps:
+            return []
+        lm = self.model.language_model
+        copy_cfg = CopyProbeConfig(vocab_size=lm.config.vocab_size, steps=self.cfg.copy_steps, seed=self.cfg.seed)
+        return train_copying(lm, replace(copy_cfg, eval_every=max(1, self.cfg.copy_steps // 4)), report)
 
     def run(self, report: Callable[[ProbeScore], None] = lambda score: None) -> list[ProbeScore]:
         """Trains ``cfg.steps`` steps (AdamW, linear warmup, cosine to 10%, grad clip 1), scoring every

@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from vlm.training.copy_probe import FIRST_TOKEN, CopyProbeConfig, check_config, copy_rows, run
+from vlm.backbone.config import ConceptMoEConfig
+from vlm.backbone.model import ConceptMoEForCausalLM
+from vlm.training.copy_probe import FIRST_TOKEN, CopyProbeConfig, check_config, copy_rows, run, train_copying
 
 
 def main(argv):
@@ -60,3 +62,9 @@ def test_the_cli_prints_and_appends_one_line_per_evaluation(tmp_path, capsys):
     assert [w["step"] for w in written] == [2, 3]
     assert written[0]["config"]["overrides"] == {"tie_word_embeddings": True}
     assert written[0]["chance"] == round(1 / (32 - FIRST_TOKEN), 6)
+
+
+def test_train_copying_refuses_a_model_of_another_vocabulary():
+    model = ConceptMoEForCausalLM(ConceptMoEConfig.from_preset("tiny-moe", vocab_size=48))
+    with pytest.raises(ValueError, match="the model has 48 tokens, the copy rows 64"):
+        train_copying(model, CopyProbeConfig(vocab_size=64, steps=1))

@@ -8,6 +8,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import torch
 
 from eval.score_table import binomial_tail
 from vlm.training.probe import ProbeConfig, SeeingProbe, Stage, training_samples
@@ -90,3 +91,18 @@ def test_held_out_binding_questions_come_from_scenes_of_several_objects():
     assert all(2 <= s.meta["objects"] <= 3 for s in items)
     mixed = SeeingProbe(ProbeConfig(types=("colour",), eval_objects=3, eval_n=40, steps=1)).eval_items
     assert {s.meta["objects"] for s in mixed} == {1, 2, 3}
+
+
+def test_copy_steps_train_the_language_model_alone_before_the_questions():
+    """``copy_steps``: copy rows for the language model (what a needle answer needs), the tower untouched."""
+    probe = SeeingProbe(ProbeConfig(types=("needle",), seq_len=512, steps=1, eval_n=2, copy_steps=3))
+    tower = {k: v.clone() for k, v in probe.model.named_parameters() if not k.startswith("language_model.")}
+    embed = probe.model.language_model.get_input_embeddings().weight.clone()
+    scores = probe.pretrain_copying()
+    assert [s.step for s in scores] == [1, 2, 3]
+    assert scores[0].chance == round(1 / (probe.model.language_model.config.vocab_size - 10), 6)
+    assert not torch.equal(embed, probe.model.language_model.get_input_embeddings().weight)
+    assert all(torch.equal(v, dict(probe.model.named_parameters())[k]) for k, v in tower.items())
+    assert SeeingProbe(ProbeConfig(types=("needle",), seq_len=512, steps=1, eval_n=2)).pretrain_copying() == []
+    with pytest.raises(ValueError, match="copy_steps >= 0"):
+        SeeingProbe(ProbeConfig(copy_steps=-1))
