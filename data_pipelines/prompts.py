@@ -28,6 +28,7 @@ SCENEQA_INSTRUCTION = "Answer the question using a single word or phrase."
 REFLOC_INSTRUCTION = "Answer with the bounding box [x1, y1, x2, y2], coordinates normalised to 0-1."
 LONGDOC_INSTRUCTION = "Answer with the code word only."
 NIAH_INSTRUCTION = "Answer with the value only."
+NIAH_SENTENCE_INSTRUCTION = "Answer with the sentence that gives the value."  # needles' answer="sentence"
 BOX_DECIMALS = 2
 
 
@@ -55,10 +56,11 @@ def longdoc(num_pages: int, question: str) -> str:
     return f"{IMAGE_TOKEN}\n" * num_pages + f"{question}\n{LONGDOC_INSTRUCTION}"
 
 
-def niah(context: Sequence[str | None], question: str) -> str:
-    """The haystack, one segment per line (``None`` stands for an image: ``<image>``), then the question."""
+def niah(context: Sequence[str | None], question: str, instruction: str = NIAH_INSTRUCTION) -> str:
+    """The haystack, one segment per line (``None`` stands for an image: ``<image>``), then the question and the
+    instruction (``NIAH_SENTENCE_INSTRUCTION`` for needles that restate their sentence)."""
     lines = [IMAGE_TOKEN if text is None else text for text in context]
-    return "\n".join([*lines, question, NIAH_INSTRUCTION])
+    return "\n".join([*lines, question, instruction])
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -77,6 +77,7 @@ def main(argv=None) -> int:
         help="needle type: haystack units LOW-HIGH (default 1-3)",
     )
     parser.add_argument("--needle-modalities", default="text", help="needle type: text, image or text,image")
+    parser.add_argument("--needle-answer", default="value", help="needle type: 'value', or 'sentence' restated")
     parser.add_argument(
         "--turns", default=defaults.turns, help="training: 'one' question per conversation, or 'all' of a scene's"
     )
@@ -105,6 +106,7 @@ def main(argv=None) -> int:
         turns=args.turns,
         needle_units=args.needle_units,
         needle_modalities=tuple(m.strip() for m in args.needle_modalities.split(",") if m.strip()),
+        needle_answer=args.needle_answer,
         **{k: getattr(args, k) for k in ("eval_every", "eval_n", "eval_objects", "eval_min_objects", "eval_size")},
     )
     try:

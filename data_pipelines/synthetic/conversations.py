@@ -75,10 +75,13 @@ def document_items(base: Sample, seed: int, split: str, index: int) -> list[Item
 
 
 def needle_items(base: Sample, seed: int, split: str, index: int) -> list[Item]:
-    """The needle question of one haystack (its context: every segment but the last, the question)."""
+    """The needle question of one haystack (its context: every segment but the last, the question), asking for the
+    value or, for a haystack made with ``answer="sentence"``, the needle sentence restated."""
     (qa,) = base.qa
     context = [seg.text if seg.image is None else None for seg in base.segments[:-1]]
-    return [(prompts.niah(context, qa["q"]), qa["a"], dict(qa), {"task": "niah", "question": qa["q"]})]
+    sentence = base.meta.get("answer") == "sentence"
+    instruction = prompts.NIAH_SENTENCE_INSTRUCTION if sentence else prompts.NIAH_INSTRUCTION
+    return [(prompts.niah(context, qa["q"], instruction), qa["a"], dict(qa), {"task": "niah", "question": qa["q"]})]
 
 
 # kind -> (base generator, the conversations of one base sample)

@@ -10,9 +10,14 @@ cover every (depth, modality) pair. ``meta``::
     {"kind": "needles", "depth": 0.3, "needle_index": 7,   # segment index of the needle
      "needle_modality": "text" | "image", "needle": "The secret number of Mila is 4821.",
      "needle_box": [x1, y1, x2, y2] | null,                # normalised box of the drawn text (image needles)
-     "context_segments": U + 1, "context_images": ..., "context_chars": ...}  # chars: text segments only
+     "context_segments": U + 1, "context_images": ..., "context_chars": ...,  # chars: text segments only
+     "answer": "value" | "sentence"}
 
-``qa = [{"type": "needle", "q": "What is the secret number of Mila?", "a": "4821"}]``.
+``qa = [{"type": "needle", "q": "What is the secret number of Mila?", "a": "4821"}]``. With ``answer="sentence"``
+the answer restates the needle sentence, the value last (``"a": "The secret number of Mila is 4821."``, plus
+``"value": "4821"``; ``meta["answer"]`` says which): the answer then reaches the value by copying the sentence,
+as RULER's prompts end in an answer prefix that repeats the key. A model that has learned to copy a sequence
+(docs/seeing.md, "Copying a needle") finds the value that way far sooner than from the question alone.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from data_pipelines.synthetic.scenes import COLOURS, render_scene
 
 DEPTHS = tuple(k / 10 for k in range(11))
 MODALITIES = ("text", "image")
+ANSWERS = ("value", "sentence")  # the ``answer`` option: the value alone, or the needle sentence restated
 
 
 def needle_fact(rng: random.Random) -> tuple[str, str, str]:
@@ -64,15 +70,19 @@ def generate(
     max_units: int = 40,
     image_share: float = 0.3,
     modalities: tuple[str, ...] | str = MODALITIES,
+    answer: str = "value",
 ) -> Iterator[Sample]:
     """``n`` haystacks of ``min_units..max_units`` units (``image_share`` of them images), deterministic from
     (seed, split). ``modalities`` keeps the needles of those modalities (``"text"``: a copying stage with no
-    reading of drawn text); the depth grid then cycles over the kept ones."""
+    reading of drawn text); the depth grid then cycles over the kept ones. ``answer``: ``"value"`` or
+    ``"sentence"`` (the module docstring)."""
     check_split(split)
     if not 1 <= min_units <= max_units:
         raise ValueError(f"need 1 <= min_units <= max_units, got min_units={min_units}, max_units={max_units}")
     if not 0.0 <= image_share <= 1.0:
         raise ValueError(f"image_share must be in [0, 1], got {image_share}")
+    if answer not in ANSWERS:
+        raise ValueError(f"answer must be one of {ANSWERS}, got {answer!r}")
     kept = (modalities,) if isinstance(modalities, str) else tuple(modalities)
     if not kept or set(kept) - set(MODALITIES) or len(set(kept)) != len(kept):
         raise ValueError(f"modalities must be distinct values among {MODALITIES}, got {modalities!r}")
@@ -81,7 +91,7 @@ def generate(
         rng = sample_rng("needles", seed, split, i)
         depth, modality = DEPTHS[i % len(DEPTHS)], kept[(i // len(DEPTHS)) % len(kept)]
         units = [_haystack_unit(rng, pool, image_share) for _ in range(rng.randint(min_units, max_units))]
-        sentence, question, answer = needle_fact(rng)
+        sentence, question, value = needle_fact(rng)
         needle_box = None
         if modality == "text":
             needle = Segment(text=sentence)
@@ -100,7 +110,10 @@ def generate(
             "context_segments": len(context),
             "context_images": sum(seg.image is not None for seg in context),
             "context_chars": sum(len(seg.text) for seg in context if seg.text is not None),
+            "answer": answer,
         }
-        qa = [{"type": "needle", "q": question, "a": answer}]
+        qa = [{"type": "needle", "q": question, "a": value}]
+        if answer == "sentence":
+            qa = [{**qa[0], "a": sentence, "value": value}]
         segments = [*context, Segment(text=question)]
         yield Sample(key=sample_key("needles", seed, split, i), segments=segments, meta=meta, qa=qa)

@@ -227,3 +227,23 @@ def test_needle_modalities_keep_only_those_needles():
     for bad in ("audio", [], ["text", "text"]):
         with pytest.raises(ValueError, match="modalities"):
             next(generate("needles", 1, 0, modalities=bad))
+
+
+def test_needle_sentence_answers_restate_the_needle_with_the_value_last():
+    """``answer="sentence"``: the same haystacks, the answer the needle sentence (ending in the value), the user turn
+    asking for the sentence; the default keeps the value alone and its instruction."""
+    values = list(generate("needles", 6, 0, "train", min_units=1, max_units=2))
+    sentences = list(generate("needles", 6, 0, "train", min_units=1, max_units=2, answer="sentence"))
+    for v, s in zip(values, sentences, strict=True):
+        assert v.segments == s.segments and v.meta["answer"] == "value" and s.meta["answer"] == "sentence"
+        assert s.qa[0]["a"] == s.meta["needle"] and s.qa[0]["value"] == v.qa[0]["a"]
+        assert s.qa[0]["a"].removesuffix(".").endswith(" " + v.qa[0]["a"])
+    chats = list(generate("needles_chat", 2, 0, "train", min_units=1, max_units=2, answer="sentence"))
+    for chat, base in zip(chats, sentences[:2], strict=True):
+        user, assistant = chat.turns
+        assert user.segments[-1].text.endswith(prompts.NIAH_SENTENCE_INSTRUCTION)
+        assert assistant.segments[0].text == base.meta["needle"]
+    plain = next(generate("needles_chat", 1, 0, "train", min_units=1, max_units=2))
+    assert plain.turns[0].segments[-1].text.endswith(prompts.NIAH_INSTRUCTION)
+    with pytest.raises(ValueError, match="answer must be one of"):
+        next(generate("needles", 1, 0, answer="both"))

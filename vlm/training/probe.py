@@ -72,6 +72,7 @@ class ProbeConfig:
     turns: str = "one"  # training scenes: one question per conversation, or "all" of a scene's in one conversation
     needle_units: tuple[int, int] = (1, 3)  # haystack units of the ``needle`` type (train and held out)
     needle_modalities: tuple[str, ...] = ("text",)  # where its needles are: text (copying), image (reading)
+    needle_answer: str = "value"  # its answers: the value, or the needle sentence restated ("sentence")
     copy_steps: int = 0  # steps of copy rows (``vlm.training.copy_probe``) for the language model alone, first
 
 
@@ -107,7 +108,7 @@ def scene_questions(
         )
     if "needle" in types:
         low, high = cfg.needle_units
-        options = dict(min_units=low, max_units=high, modalities=cfg.needle_modalities)
+        options = dict(min_units=low, max_units=high, modalities=cfg.needle_modalities, answer=cfg.needle_answer)
         streams.append(_endless("needles_chat", split, seed, **options))
     while True:
         for stream in streams:
@@ -149,7 +150,8 @@ def check_config(cfg: ProbeConfig) -> None:
         next(synthetic.generate("scenes", 1, 0, max_objects=s.max_objects, object_size=s.object_size))
     if "needle" in cfg.types:  # only a probe that draws needles pays for drawing one here
         low, high = cfg.needle_units
-        next(synthetic.generate("needles", 1, 0, min_units=low, max_units=high, modalities=cfg.needle_modalities))
+        options = dict(min_units=low, max_units=high, modalities=cfg.needle_modalities, answer=cfg.needle_answer)
+        next(synthetic.generate("needles", 1, 0, **options))
     if not 1 <= cfg.eval_min_objects <= cfg.eval_objects:
         raise ValueError(f"need 1 <= eval_min_objects <= eval_objects, got {cfg.eval_min_objects}, {cfg.eval_objects}")
     if cfg.turns not in ("one", "all"):
