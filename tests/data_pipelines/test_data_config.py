@@ -11,8 +11,9 @@ from data_pipelines.run_config import REQUIRED, ConfigError, DataConfig, apply_s
 ROOT = Path(__file__).resolve().parents[2]
 # The modules that read a run's settings: a default there for a setting's name would be a second one.
 READERS = ["data_pipelines/loader.py", "data_pipelines/check.py", "scripts/bench_data.py", "scripts/train_vlm.py"]
-# (probe.py and vision_pretraining.py are other jobs, with settings of their own: ProbeConfig, VisionPretrainConfig)
-OTHER_JOBS = {"probe.py", "vision_pretraining.py"}
+# (probe.py, copy_probe.py and vision_pretraining.py are other jobs, with settings of their own: ProbeConfig,
+# CopyProbeConfig, VisionPretrainConfig)
+OTHER_JOBS = {"probe.py", "copy_probe.py", "vision_pretraining.py"}
 READERS += [
     str(p.relative_to(ROOT)) for p in sorted((ROOT / "vlm" / "training").glob("*.py")) if p.name not in OTHER_JOBS
 ]
