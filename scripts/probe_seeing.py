@@ -8,7 +8,9 @@
 1..MAX_OBJECTS shapes whose side is LOW..HIGH of the canvas's short side; no range: the generator's own sizes;
 TYPES, comma-separated: the question types trained in that stage, default all of ``--types``; all are scored).
 Prints one JSON line per evaluation (accuracy and chance per question type, eval-mode R per modality) and, with
-``--out``, appends them there. The rows of docs/seeing.md come from this command; the logic is ``vlm.training.probe``.
+``--out``, appends them there. ``--copy-steps N`` first trains the language model alone on N steps of copy rows
+(``vlm.training.copy_probe``; printed as ``{"copy": ...}`` lines), what a needle answer needs. The rows of
+docs/seeing.md come from this command; the logic is ``vlm.training.probe``.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ def main(argv=None) -> int:
         help="needle type: haystack units LOW-HIGH (default 1-3)",
     )
     parser.add_argument("--needle-modalities", default="text", help="needle type: text, image or text,image")
-    parser.add_argument("--needle-answer", default="value", help="needle type: 'value', or 'sentence' restated")
+    parser.add_argument("--needle-answer", default=defaults.needle_answer, help="needle type: 'value' or 'sentence'")
     parser.add_argument(
         "--turns", default=defaults.turns, help="training: 'one' question per conversation, or 'all' of a scene's"
     )

@@ -14,7 +14,9 @@ square?" among others, without the one-object scenes where no binding is needed)
 an answer is right when greedy decoding reproduces it exactly (teacher-forced argmax of every answer token and the
 closing ``<|end|>``, which is what greedy generation emits). Next to each accuracy the probe reports the chance
 level (the best constant answer on the same items: what a blind model that learned the answer prior scores) and
-eval-mode R per modality.
+eval-mode R per modality. ``copy_steps`` (:meth:`SeeingProbe.pretrain_copying`) first gives the language model
+alone that many steps of copy rows (``vlm.training.copy_probe``): with tied embeddings and needle answers that
+restate the needle sentence (``needle_answer="sentence"``), it is what makes needles copyable (docs/seeing.md).
 """
 
 from __future__ import annotations
