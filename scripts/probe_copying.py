@@ -18,6 +18,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 
 from vlm.training.copy_probe import CopyProbeConfig, check_config, run
+from vlm.training.probe import parse_overrides
 
 
 def main(argv=None) -> int:
@@ -30,15 +31,10 @@ def main(argv=None) -> int:
             parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(getattr(defaults, f.name)))
     parser.add_argument("--out", type=Path, help="append the JSON lines to this file")
     args = parser.parse_args(argv)
-    overrides = {}
-    for item in args.set:
-        name, sep, value = item.partition("=")
-        if not sep:
-            parser.error(f"--set {item!r}: expected FIELD=JSON")
-        try:
-            overrides[name] = json.loads(value)
-        except json.JSONDecodeError:
-            parser.error(f'--set {item!r}: the value must be JSON (true, 2, 0.5, "text")')
+    try:
+        overrides = parse_overrides(args.set)
+    except ValueError as err:
+        parser.error(str(err))
     given = {k: v for k, v in vars(args).items() if k not in ("preset", "set", "out") and v is not None}
     cfg = CopyProbeConfig(preset=args.preset, overrides=overrides, **given)
     try:

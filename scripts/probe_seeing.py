@@ -21,7 +21,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from vlm.training.probe import ProbeConfig, SeeingProbe, Stage
+from vlm.training.probe import ProbeConfig, SeeingProbe, Stage, parse_overrides
 
 
 def parse_stage(text: str) -> Stage:
@@ -85,15 +85,10 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--out", type=Path, help="append the JSON lines to this file")
     args = parser.parse_args(argv)
-    overrides = {}
-    for item in args.set:
-        field, sep, value = item.partition("=")
-        if not sep:
-            parser.error(f"--set {item!r}: expected FIELD=JSON")
-        try:
-            overrides[field] = json.loads(value)
-        except json.JSONDecodeError:
-            parser.error(f'--set {item!r}: the value must be JSON (true, 2, 0.5, "text")')
+    try:
+        overrides = parse_overrides(args.set)
+    except ValueError as err:
+        parser.error(str(err))
     stages = args.stage or [Stage()]
     if stages[0].start != 0:
         parser.error("the first --stage must start at step 0")

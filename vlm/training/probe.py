@@ -22,11 +22,12 @@ restate the needle sentence (``needle_answer="sentence"``), it is what makes nee
 from __future__ import annotations
 
 import io
+import json
 import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 from PIL import Image
@@ -136,6 +137,21 @@ def _endless(kind: str, split: str, seed: int, **options) -> Iterator[Sample]:
 
 
 QUESTION_TYPES = ("colour", "shape", "position", "count", "needle")
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """The probes' ``--set FIELD=JSON`` items as ``{field: value}``; a one-line ``ValueError`` for an item without
+    ``=`` or whose value is not JSON (``true``, ``2``, ``0.5``, ``"text"``)."""
+    overrides = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r}: expected FIELD=JSON")
+        try:
+            overrides[name] = json.loads(value)
+        except json.JSONDecodeError:
+            raise ValueError(f'--set {item!r}: the value must be JSON (true, 2, 0.5, "text")') from None
+    return overrides
 
 
 def check_config(cfg: ProbeConfig) -> None:
@@ -261,9 +277,11 @@ class SeeingProbe:
         nothing when ``copy_steps`` is 0. Returns the copying scores (held-out accuracy on the copy)."""
         if not self.cfg.copy_steps:
             return []
-        lm = self.model.language_model
-        copy_cfg = CopyProbeConfig(vocab_size=lm.config.vocab_size, steps=self.cfg.copy_steps, seed=self.cfg.seed)
-        return train_copying(lm, replace(copy_cfg, eval_every=max(1, self.cfg.copy_steps // 4)), report)
+        lm, steps = self.model.language_model, self.cfg.copy_steps
+        copy_cfg = CopyProbeConfig(
+            vocab_size=lm.config.vocab_size, steps=steps, eval_every=max(1, steps // 4), seed=self.cfg.seed
+        )
+        return train_copying(lm, copy_cfg, report)
 
     def run(self, report: Callable[[ProbeScore], None] = lambda score: None) -> list[ProbeScore]:
         """Trains ``cfg.steps`` steps (AdamW, linear warmup, cosine to 10%, grad clip 1), scoring every

@@ -50,6 +50,9 @@ def test_bad_settings_are_one_line_errors(capsys):
     with pytest.raises(SystemExit):
         main(["--length", "1"])
     assert "need length >= 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--set", "d_model=wide"])
+    assert "the value must be JSON" in capsys.readouterr().err
 
 
 def test_the_cli_prints_and_appends_one_line_per_evaluation(tmp_path, capsys):
