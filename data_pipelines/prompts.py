@@ -10,7 +10,8 @@ to be the YAMLs' ``post_prompt``; the YAMLs' ``pre_prompt`` / ``post_prompt`` ar
     sceneqa      <image>\\nQUESTION\\nAnswer the question using a single word or phrase.   "3", "red", "top left"
     refloc       <image>\\nWhere is the EXPRESSION?\\nAnswer with the bounding box ...     "[0.12, 0.34, 0.56, 0.78]"
     longdoc      <image>\\n per page, QUESTION\\nAnswer with the code word only.           "kalomi"
-    niah         segments one per line (<image> for images)\\nQUESTION\\nAnswer with the value only.
+    niah         segments one per line (<image> for images)\\nQUESTION\\nAnswer with the sentence that gives the value.
+                                                                      "The secret number of Mila is 4821."
 
 Answers are the generators' own (``scenes.questions``: lowercase words, digits for counts; boxes through
 :func:`format_box`, 2 decimals, which ``eval.metrics.parse_box`` reads).
@@ -27,8 +28,12 @@ SCENEQA_TYPES = ("count", "colour", "shape", "position")  # the scenes question 
 SCENEQA_INSTRUCTION = "Answer the question using a single word or phrase."
 REFLOC_INSTRUCTION = "Answer with the bounding box [x1, y1, x2, y2], coordinates normalised to 0-1."
 LONGDOC_INSTRUCTION = "Answer with the code word only."
-NIAH_INSTRUCTION = "Answer with the value only."
-NIAH_SENTENCE_INSTRUCTION = "Answer with the sentence that gives the value."  # needles' answer="sentence"
+# The niah task asks for the needle sentence restated (the value last; scored on the value: eval.metrics.needle_found):
+# the answer reaches the value by copying, as RULER's prompts end in an answer prefix that repeats the key. Asked for
+# the value alone, no model trained here found a needle (docs/seeing.md, "Copying a needle").
+NIAH_INSTRUCTION = "Answer with the sentence that gives the value."
+NIAH_VALUE_INSTRUCTION = "Answer with the value only."  # needles made with answer="value"
+COPY_REQUEST = "Repeat the line that starts with {word}."  # copying_chat: text only, no eval task
 BOX_DECIMALS = 2
 
 
@@ -58,9 +63,20 @@ def longdoc(num_pages: int, question: str) -> str:
 
 def niah(context: Sequence[str | None], question: str, instruction: str = NIAH_INSTRUCTION) -> str:
     """The haystack, one segment per line (``None`` stands for an image: ``<image>``), then the question and the
-    instruction (``NIAH_SENTENCE_INSTRUCTION`` for needles that restate their sentence)."""
+    instruction (``NIAH_VALUE_INSTRUCTION`` for needles answered by their value alone)."""
     lines = [IMAGE_TOKEN if text is None else text for text in context]
     return "\n".join([*lines, question, instruction])
+
+
+def copy_request(word: str) -> str:
+    """The request of a copying sample (``data_pipelines.synthetic.copying``): repeat the line that starts with
+    ``word``."""
+    return COPY_REQUEST.format(word=word)
+
+
+def copy(lines: str, request: str) -> str:
+    """Lines of words (one string, newline-separated), then the request for one of them."""
+    return f"{lines}\n{request}"
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -143,7 +143,7 @@ def niah_rows(n_per_bucket: int, seed: int, lengths: Sequence[str], images_dir: 
                 "modality": meta["needle_modality"],
                 "segments": segments,
                 "question": sample.qa[0]["q"],
-                "answer": sample.qa[0]["a"],
+                "answer": sample.qa[0]["value"],  # what the score looks for in the restated sentence
                 "needle": meta["needle"],
                 "generator": {"kind": "needles", "seed": gen_seed, "split": SPLIT, "index": i},
             }

@@ -5,8 +5,10 @@ evaluation data:
 - ``documents``: multi-page rendered text with a question answered by a span on one page (long-document QA);
 - ``needles``: needle in an interleaved text / image haystack at a chosen depth (retrieval);
 - ``text``: documents of the local text corpus (language modelling);
+- ``copying``: lines of random words and a request to repeat one of them (the copy a needle answer needs);
 - ``scenes_chat``, ``documents_chat``, ``needles_chat``: instruction conversations on those samples, asked and
-  answered exactly as the eval tasks do (``conversations``; prompts from ``data_pipelines.prompts``).
+  answered exactly as the eval tasks do (``conversations``; prompts from ``data_pipelines.prompts``);
+  ``copying_chat`` the copy request as a conversation.
 
 Each module exposes ``generate(n, seed, split, **options) -> Iterator[Sample]``; sample ``i`` depends only on
 (kind, seed, split, i, options), and every sample's ``meta["kind"]`` names its generator. Options change what a
@@ -20,7 +22,7 @@ import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from data_pipelines.schema import Sample
-from data_pipelines.synthetic import conversations, documents, needles, scenes, text
+from data_pipelines.synthetic import conversations, copying, documents, needles, scenes, text
 from data_pipelines.synthetic._common import SPLITS, check_split
 
 GENERATORS: dict[str, Callable[..., Iterator[Sample]]] = {
@@ -28,6 +30,7 @@ GENERATORS: dict[str, Callable[..., Iterator[Sample]]] = {
     "documents": documents.generate,
     "needles": needles.generate,
     "text": text.generate,
+    "copying": copying.generate,
     **{kind: conversations.generator(kind) for kind in conversations.KINDS},
 }
 __all__ = ["GENERATORS", "SPLITS", "generate", "interleave", "kind_options"]

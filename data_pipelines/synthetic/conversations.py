@@ -6,7 +6,9 @@
   task's (:func:`data_pipelines.synthetic.scenes.referring_expression`: "red square", "circle", "blue object",
   "small star", "triangle at the top left");
 - ``documents_chat``: the code-word question of each document (``cmoe_longdoc``, ``prompts.longdoc``);
-- ``needles_chat``: the needle question of each haystack (``cmoe_niah``, ``prompts.niah``).
+- ``needles_chat``: the needle question of each haystack (``cmoe_niah``, ``prompts.niah``);
+- ``copying_chat``: the copy request of each ``copying`` sample (``prompts.copy``; no eval task: a stage that teaches
+  the copy a needle answer needs).
 
 Each sample is a conversation (``Sample.turns``, empty ``segments``): a user turn, the builder's text split at
 ``<image>`` into text segments and the base sample's images in order, then an assistant turn with the answer
@@ -33,7 +35,7 @@ from collections.abc import Callable, Iterator
 
 from data_pipelines import prompts
 from data_pipelines.schema import Sample, Segment, Turn
-from data_pipelines.synthetic import documents, needles, scenes
+from data_pipelines.synthetic import copying, documents, needles, scenes
 from data_pipelines.synthetic._common import check_split, sample_key, sample_rng
 
 # (user text, answer, the qa item asked, extra meta) of one conversation
@@ -76,12 +78,18 @@ def document_items(base: Sample, seed: int, split: str, index: int) -> list[Item
 
 def needle_items(base: Sample, seed: int, split: str, index: int) -> list[Item]:
     """The needle question of one haystack (its context: every segment but the last, the question), asking for the
-    value or, for a haystack made with ``answer="sentence"``, the needle sentence restated."""
+    needle sentence restated (as ``cmoe_niah`` asks) or, for a haystack made with ``answer="value"``, the value."""
     (qa,) = base.qa
     context = [seg.text if seg.image is None else None for seg in base.segments[:-1]]
-    sentence = base.meta.get("answer") == "sentence"
-    instruction = prompts.NIAH_SENTENCE_INSTRUCTION if sentence else prompts.NIAH_INSTRUCTION
+    value = base.meta.get("answer") == "value"
+    instruction = prompts.NIAH_VALUE_INSTRUCTION if value else prompts.NIAH_INSTRUCTION
     return [(prompts.niah(context, qa["q"], instruction), qa["a"], dict(qa), {"task": "niah", "question": qa["q"]})]
+
+
+def copy_items(base: Sample, seed: int, split: str, index: int) -> list[Item]:
+    """The copy request of one copying sample (its lines, then the request)."""
+    (qa,) = base.qa
+    return [(prompts.copy(base.segments[0].text, qa["q"]), qa["a"], dict(qa), {"task": "copy", "question": qa["q"]})]
 
 
 # kind -> (base generator, the conversations of one base sample)
@@ -89,6 +97,7 @@ KINDS: dict[str, tuple[Callable[..., Iterator[Sample]], Callable[..., list[Item]
     "scenes_chat": (scenes.generate, scene_items),
     "documents_chat": (documents.generate, document_items),
     "needles_chat": (needles.generate, needle_items),
+    "copying_chat": (copying.generate, copy_items),
 }
 
 

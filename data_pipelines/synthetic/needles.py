@@ -13,11 +13,12 @@ cover every (depth, modality) pair. ``meta``::
      "context_segments": U + 1, "context_images": ..., "context_chars": ...,  # chars: text segments only
      "answer": "value" | "sentence"}
 
-``qa = [{"type": "needle", "q": "What is the secret number of Mila?", "a": "4821"}]``. With ``answer="sentence"``
-the answer restates the needle sentence, the value last (``"a": "The secret number of Mila is 4821."``, plus
-``"value": "4821"``; ``meta["answer"]`` says which): the answer then reaches the value by copying the sentence,
-as RULER's prompts end in an answer prefix that repeats the key. A model that has learned to copy a sequence
-(docs/seeing.md, "Copying a needle") finds the value that way far sooner than from the question alone.
+``qa = [{"type": "needle", "q": "What is the secret number of Mila?", "a": "The secret number of Mila is 4821.",
+"value": "4821"}]``: the answer restates the needle sentence, the value last (``answer="sentence"``, the default, as
+``cmoe_niah`` asks), so that it reaches the value by copying the sentence, as RULER's prompts end in an answer
+prefix that repeats the key. A model that has learned to copy a sequence (docs/seeing.md, "Copying a needle") finds
+the value that way far sooner than from the question alone. With ``answer="value"`` the answer is the value alone
+(``"a": "4821"``, no ``"value"``); ``meta["answer"]`` says which.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def generate(
     max_units: int = 40,
     image_share: float = 0.3,
     modalities: tuple[str, ...] | str = MODALITIES,
-    answer: str = "value",
+    answer: str = "sentence",
 ) -> Iterator[Sample]:
     """``n`` haystacks of ``min_units..max_units`` units (``image_share`` of them images), deterministic from
     (seed, split). ``modalities`` keeps the needles of those modalities (``"text"``: a copying stage with no

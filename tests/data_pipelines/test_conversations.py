@@ -1,5 +1,6 @@
-"""The instruction kinds (``scenes_chat``, ``documents_chat``, ``needles_chat``): conversations on the base samples,
-asked with the shared prompt builders, deterministic, unique keys, and writable through ``make_shards``."""
+"""The instruction kinds (``scenes_chat``, ``documents_chat``, ``needles_chat``, ``copying_chat``): conversations on
+the base samples, asked with the shared prompt builders, deterministic, unique keys, and writable through
+``make_shards``."""
 
 import json
 import os
@@ -17,7 +18,7 @@ from data_pipelines.synthetic import conversations, generate
 
 REPO = Path(__file__).resolve().parents[2]
 CHAT_KINDS = sorted(conversations.KINDS)
-BASE = {"scenes_chat": "scenes", "documents_chat": "documents", "needles_chat": "needles"}
+BASE = {"scenes_chat": "scenes", "documents_chat": "documents", "needles_chat": "needles", "copying_chat": "copying"}
 
 
 def _images(segments):
@@ -51,6 +52,8 @@ def test_conversations_ask_the_base_samples_with_the_shared_builders(kind):
             assert sample.meta["expression"].split()[0] in (target["colour"], target["shape"], target["size"])
         elif task == "longdoc":
             assert text == prompts.longdoc(base.meta["num_pages"], qa["q"]) and qa == base.qa[0]
+        elif task == "copy":
+            assert text == prompts.copy(base.segments[0].text, qa["q"]) and qa == base.qa[0]
         else:
             context = [seg.text if seg.image is None else None for seg in base.segments[:-1]]
             assert task == "niah" and text == prompts.niah(context, qa["q"]) and qa == base.qa[0]
@@ -70,7 +73,7 @@ def test_scenes_chat_covers_every_qa_item_of_a_scene():
 
 @pytest.mark.parametrize("kind", CHAT_KINDS)
 def test_prefix_property_and_splits(kind):
-    n = {"scenes_chat": 13, "documents_chat": 3, "needles_chat": 3}[kind]
+    n = {"scenes_chat": 13, "documents_chat": 3, "needles_chat": 3, "copying_chat": 5}[kind]
     long = [encode_sample(s) for s in generate(kind, n, 1, "train")]
     assert [encode_sample(s) for s in generate(kind, n - 2, 1, "train")] == long[: n - 2]
     evaluation = list(generate(kind, n, 1, "eval"))
@@ -100,7 +103,7 @@ def test_make_shards_writes_the_chat_kinds(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     for split, n in (("train", 2), ("eval", 1)):
         manifest = json.loads((out / split / "manifest.json").read_text())
-        assert manifest["samples"] == 3 * n and manifest["kind_samples"] == dict.fromkeys(CHAT_KINDS, n)
+        assert manifest["samples"] == len(CHAT_KINDS) * n and manifest["kind_samples"] == dict.fromkeys(CHAT_KINDS, n)
         members: dict[str, dict] = {}
         for shard in manifest["shards"]:
             with tarfile.open(out / split / shard) as tar:

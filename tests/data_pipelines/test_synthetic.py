@@ -16,8 +16,10 @@ INSTRUCTIONS = (
     prompts.REFLOC_INSTRUCTION,
     prompts.LONGDOC_INSTRUCTION,
     prompts.NIAH_INSTRUCTION,
+    prompts.NIAH_VALUE_INSTRUCTION,
 )
-N = {"scenes": 12, "documents": 3, "needles": 4, "text": 12, "scenes_chat": 12, "documents_chat": 3, "needles_chat": 4}
+N = {"scenes": 12, "documents": 3, "needles": 4, "text": 12, "copying": 12}
+N |= {"scenes_chat": 12, "documents_chat": 3, "needles_chat": 4, "copying_chat": 12}
 
 
 def _bytes(samples) -> list[dict]:
@@ -230,20 +232,40 @@ def test_needle_modalities_keep_only_those_needles():
 
 
 def test_needle_sentence_answers_restate_the_needle_with_the_value_last():
-    """``answer="sentence"``: the same haystacks, the answer the needle sentence (ending in the value), the user turn
-    asking for the sentence; the default keeps the value alone and its instruction."""
-    values = list(generate("needles", 6, 0, "train", min_units=1, max_units=2))
-    sentences = list(generate("needles", 6, 0, "train", min_units=1, max_units=2, answer="sentence"))
+    """The default (``answer="sentence"``, as ``cmoe_niah`` asks): the answer is the needle sentence, ending in the
+    value, the user turn asks for the sentence; ``answer="value"``: the same haystacks, the value alone and its
+    instruction."""
+    values = list(generate("needles", 6, 0, "train", min_units=1, max_units=2, answer="value"))
+    sentences = list(generate("needles", 6, 0, "train", min_units=1, max_units=2))
     for v, s in zip(values, sentences, strict=True):
         assert v.segments == s.segments and v.meta["answer"] == "value" and s.meta["answer"] == "sentence"
-        assert s.qa[0]["a"] == s.meta["needle"] and s.qa[0]["value"] == v.qa[0]["a"]
+        assert s.qa[0]["a"] == s.meta["needle"] and s.qa[0]["value"] == v.qa[0]["a"] and "value" not in v.qa[0]
         assert s.qa[0]["a"].removesuffix(".").endswith(" " + v.qa[0]["a"])
-    chats = list(generate("needles_chat", 2, 0, "train", min_units=1, max_units=2, answer="sentence"))
+    chats = list(generate("needles_chat", 2, 0, "train", min_units=1, max_units=2))
     for chat, base in zip(chats, sentences[:2], strict=True):
         user, assistant = chat.turns
-        assert user.segments[-1].text.endswith(prompts.NIAH_SENTENCE_INSTRUCTION)
+        assert user.segments[-1].text.endswith(prompts.NIAH_INSTRUCTION)
         assert assistant.segments[0].text == base.meta["needle"]
-    plain = next(generate("needles_chat", 1, 0, "train", min_units=1, max_units=2))
-    assert plain.turns[0].segments[-1].text.endswith(prompts.NIAH_INSTRUCTION)
+    plain = next(generate("needles_chat", 1, 0, "train", min_units=1, max_units=2, answer="value"))
+    assert plain.turns[0].segments[-1].text.endswith(prompts.NIAH_VALUE_INSTRUCTION)
     with pytest.raises(ValueError, match="answer must be one of"):
         next(generate("needles", 1, 0, answer="both"))
+
+
+def test_copying_asks_for_one_line_by_its_first_word():
+    samples = list(generate("copying", 40, seed=0, min_lines=1, max_lines=5, min_words=3, max_words=6))
+    assert {s.meta["lines"] for s in samples} == {1, 2, 3, 4, 5}
+    for s in samples:
+        lines = s.segments[0].text.split("\n")
+        firsts = [line.split()[0] for line in lines]
+        (qa,) = s.qa
+        assert len(lines) == s.meta["lines"] and len(set(firsts)) == len(firsts)  # the key names one line
+        assert all(3 <= len(line.split()) <= 6 for line in lines)
+        assert qa["a"] == lines[s.meta["line_index"]]
+        assert qa["q"] == prompts.copy_request(qa["a"].split()[0]) == s.segments[1].text
+    chat = next(generate("copying_chat", 1, seed=0))
+    user, answer = ("".join(seg.text for seg in turn.segments) for turn in chat.turns)
+    base = next(generate("copying", 1, seed=0))
+    assert user == prompts.copy(base.segments[0].text, base.qa[0]["q"]) and answer == base.qa[0]["a"]
+    with pytest.raises(ValueError, match="min_lines"):
+        next(generate("copying", 1, seed=0, min_lines=3, max_lines=2))
