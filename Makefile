@@ -14,7 +14,7 @@ export HF_DATASETS_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv test demo demo-shards instruct-long demo-backbone bench lint format clean study study-staged spatial spatial-staged
+.PHONY: venv test demo demo-shards instruct-long needles demo-backbone bench lint format clean study study-staged spatial spatial-staged
 
 venv: $(STAMP)
 
@@ -144,6 +144,31 @@ instruct-long: venv
 	$(MAKE) demo DEMO_RUN=runs/instruct-long STAGE2=scripts/configs/stage2_long.yaml \
 		TOWER_SHARDS="$(DEMO_DATA)/vision/train $(DEMO_DATA)/vision_multi/train" \
 		STAGE2_SHARDS=$(DEMO_DATA)/tasks/train,$(DEMO_DATA)/one/train,$(DEMO_DATA)/look_small/train,$(DEMO_DATA)/scenes_chat/train
+
+# Needles in text: the language model learns to copy (scripts/configs/stage0_text.yaml: "repeat the line that starts
+# with ...", tied input / output embeddings, 3,000 steps), then to find a needle and restate its sentence
+# (scripts/configs/stage_needles.yaml: text needles in haystacks of 4-9 units, 800 steps), each with 2-process
+# DeepSpeed -> HF export -> lmms-eval cmoe_niah (the short bucket) -> score table: acc_text is the text needles';
+# acc_image those drawn inside images, which this recipe never learns to read (its tower is random and frozen).
+# ~30 min on 2 cores (docs/seeing.md, "Copying a needle").
+NEEDLES_RUN := runs/needles
+needles: venv
+	test -f $(DEMO_DATA)/copying/train/manifest.json || $(BIN)/python scripts/make_shards.py \
+		--synthetic copying_chat --out $(DEMO_DATA)/copying --num-samples 50000 --eval-samples 500 --seed 0
+	test -f $(DEMO_DATA)/needles_text/train/manifest.json || $(BIN)/python scripts/make_shards.py \
+		--synthetic needles_chat --option min_units=4 --option max_units=9 --option modalities=text \
+		--out $(DEMO_DATA)/needles_text --num-samples 4000 --eval-samples 200 --seed 7 --max-count 250
+	rm -rf $(NEEDLES_RUN)
+	$(DS) --config scripts/configs/stage0_text.yaml --out $(NEEDLES_RUN)/stage0_text --set train.seed=$(SEED)
+	$(DS) --config scripts/configs/stage_needles.yaml --out $(NEEDLES_RUN)/stage_needles \
+		--set model.init_from=$(NEEDLES_RUN)/stage0_text/hf --set train.seed=$(SEED)
+	test -f $(EVAL_DIR)/cmoe_niah/data/test.jsonl || $(BIN)/python scripts/make_eval_data.py --out $(EVAL_DIR) \
+		--tasks cmoe_niah --niah-lengths short --niah-per-bucket 100
+	$(BIN)/python -m lmms_eval --model conceptmoe --model_args pretrained=$(NEEDLES_RUN)/stage_needles/hf \
+		--tasks cmoe_niah --include_path $(EVAL_DIR) --batch_size 8 --limit $(EVAL_LIMIT) \
+		--output_path $(NEEDLES_RUN)/eval --log_samples --verbosity DEBUG
+	$(BIN)/python scripts/r_report.py $(NEEDLES_RUN)/eval
+	$(BIN)/python scripts/score_table.py $(NEEDLES_RUN)/eval --tasks-dir $(EVAL_DIR)
 
 # The compute-matched study (scripts/configs/study.yaml): every arm trained and evaluated as above, one table, plots
 # and a verdict per claim in docs/study.md (~75 min on 2 CPU cores: the YAML's budget_minutes; resumes;

@@ -109,7 +109,8 @@ def test_make_demo_passes_each_stage_its_yaml_shards_and_makes_them():
     stage2 = re.search(r"^STAGE2_SHARDS = (\S+)$", makefile, re.M).group(1)
     configs = {"scripts/configs/stage1_colour.yaml", "scripts/configs/stage1.yaml", "$(STAGE2)"}
     passed = {}  # each `$(DS)` command of the demo recipe: its --config -> the shard list it passes
-    for command in makefile.split("$(DS) ")[1:]:
+    demo = makefile[makefile.index("\ndemo:") : makefile.index("\ninstruct-long:")]
+    for command in demo.split("$(DS) ")[1:]:
         shards = re.search(r"--set 'data\.shards=\[([^\]]*)\]'", command).group(1)
         passed[re.match(r"--config (\S+)", command).group(1)] = shards.replace("$(STAGE2_SHARDS)", stage2).split(",")
     assert set(passed) == configs
@@ -118,3 +119,23 @@ def test_make_demo_passes_each_stage_its_yaml_shards_and_makes_them():
         assert shards == data["shards"], config
         for shard in data["shards"] + (data.get("eval_shards") or []):
             assert shard.startswith("data/demo/") and shard.split("/")[2] in made, (config, shard)
+
+
+def test_text_stage_then_needle_stage_train_tied_and_export_at_toy_size(tmp_path):
+    """The needle recipe's stages: ``stage0_text.yaml`` builds the model with tied embeddings and trains on copy
+    requests (text only), ``stage_needles.yaml`` starts from its export on text needles whose answer restates the
+    needle; both exports keep the language model's output layer tied to its input embeddings."""
+    copying, needles = tmp_path / "copying", tmp_path / "needles"
+    make_synthetic(["copying_chat"], str(copying), num_samples=48, seed=0, eval_samples=8)
+    options = {"min_units": 1, "max_units": 2, "modalities": "text"}
+    make_synthetic(["needles_chat"], str(needles), num_samples=8, seed=0, eval_samples=4, generator_options=options)
+    stage("stage0_text.yaml", tmp_path / "text", copying, "model.overrides.vision_weights=null")
+    stage("stage_needles.yaml", tmp_path / "needles_stage", needles, f"model.init_from={tmp_path / 'text' / 'hf'}")
+    before = ConceptMoEVLM.from_pretrained(str(tmp_path / "text" / "hf")).language_model
+    model = ConceptMoEVLM.from_pretrained(str(tmp_path / "needles_stage" / "hf")).language_model
+    assert model.config.tie_word_embeddings and before.config.tie_word_embeddings
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert not torch.equal(model.get_input_embeddings().weight, before.get_input_embeddings().weight)  # it trained
+    for name in ("stage0_text.yaml", "stage_needles.yaml"):
+        data = load_config(str(CONFIGS / name))["data"]
+        assert data["shards"][0].startswith("data/demo/") and data["seq_len"] >= 512, name
