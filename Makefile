@@ -70,6 +70,23 @@ TOWER_SEED ?= $(SEED)
 # recipe counts among several objects, while in the demo's short stages the answers read one object's shape less
 # (docs/seeing.md, "Binding").
 TOWER_SHARDS ?= $(DEMO_DATA)/vision/train
+# TEXT_STAGE=1: a text stage between stage 0 and stage 1a (scripts/configs/stage0_text.yaml, TEXT_STEPS steps on the
+# copying_chat shards: the language model learns to copy, with tied embeddings, the stage-0 tower loaded and frozen);
+# stage 1a then starts from its export. `make instruct-long` sets it, so that its stage 2 learns the needles;
+# `make demo` has no minutes for it (docs/seeing.md, "Copying a needle").
+TEXT_STAGE ?=
+TEXT_STEPS ?= 3000
+TEXT_CMD = $(DS) --config scripts/configs/stage0_text.yaml --out $(DEMO_RUN)/stage0_text \
+	--set 'data.shards=[$(DEMO_DATA)/copying/train]' --set 'data.eval_shards=[$(DEMO_DATA)/copying/eval]' \
+	--set model.overrides.vision_weights=$(DEMO_RUN)/tower/tower.safetensors --set train.max_steps=$(TEXT_STEPS) \
+	--set train.seed=$(SEED)
+FROM_TEXT = --set model.init_from=$(DEMO_RUN)/stage0_text/hf \
+	--set 'model.overrides={"freeze_vision": true, "freeze_backbone": false}'
+COPYING_SHARDS = test -f $(DEMO_DATA)/copying/train/manifest.json || $(BIN)/python scripts/make_shards.py \
+	--synthetic copying_chat --out $(DEMO_DATA)/copying --num-samples 50000 --eval-samples 500 --seed 0
+NEEDLE_SHARDS = test -f $(DEMO_DATA)/needles_text/train/manifest.json || $(BIN)/python scripts/make_shards.py \
+	--synthetic needles_chat --option min_units=4 --option max_units=9 --option modalities=text \
+	--out $(DEMO_DATA)/needles_text --num-samples 4000 --eval-samples 200 --seed 7 --max-count 250
 TASK_SAMPLES := 1000
 EVAL_LIMIT := 200
 EVAL_TASKS := cmoe_sceneqa_one,cmoe_sceneqa,cmoe_refloc,cmoe_niah,cmoe_longdoc
@@ -105,9 +122,11 @@ demo: venv demo-shards
 		--out $(DEMO_RUN)/tower/tower.safetensors
 	$(BIN)/python scripts/probe_tower.py $(DEMO_RUN)/tower/tower.safetensors --threads 2 --binding \
 		--json $(DEMO_RUN)/tower/probe.json
+	$(if $(TEXT_STAGE),$(COPYING_SHARDS) && $(TEXT_CMD))
 	$(DS) --config scripts/configs/stage1_colour.yaml --out $(DEMO_RUN)/stage1_colour \
 		--set 'data.shards=[$(DEMO_DATA)/look_colour/train]' \
-		--set model.overrides.vision_weights=$(DEMO_RUN)/tower/tower.safetensors --set train.seed=$(SEED) $(STAGE1_SET)
+		--set model.overrides.vision_weights=$(DEMO_RUN)/tower/tower.safetensors --set train.seed=$(SEED) $(STAGE1_SET) \
+		$(if $(TEXT_STAGE),$(FROM_TEXT))
 	$(DS) --config scripts/configs/stage1.yaml --out $(DEMO_RUN)/stage1 \
 		--set model.init_from=$(DEMO_RUN)/stage1_colour/hf \
 		--set 'data.shards=[$(DEMO_DATA)/look/train,$(DEMO_DATA)/look_small/train]' \
@@ -153,11 +172,8 @@ instruct-long: venv
 # ~30 min on 2 cores (docs/seeing.md, "Copying a needle").
 NEEDLES_RUN := runs/needles
 needles: venv
-	test -f $(DEMO_DATA)/copying/train/manifest.json || $(BIN)/python scripts/make_shards.py \
-		--synthetic copying_chat --out $(DEMO_DATA)/copying --num-samples 50000 --eval-samples 500 --seed 0
-	test -f $(DEMO_DATA)/needles_text/train/manifest.json || $(BIN)/python scripts/make_shards.py \
-		--synthetic needles_chat --option min_units=4 --option max_units=9 --option modalities=text \
-		--out $(DEMO_DATA)/needles_text --num-samples 4000 --eval-samples 200 --seed 7 --max-count 250
+	$(COPYING_SHARDS)
+	$(NEEDLE_SHARDS)
 	rm -rf $(NEEDLES_RUN)
 	$(DS) --config scripts/configs/stage0_text.yaml --out $(NEEDLES_RUN)/stage0_text --set train.seed=$(SEED)
 	$(DS) --config scripts/configs/stage_needles.yaml --out $(NEEDLES_RUN)/stage_needles \

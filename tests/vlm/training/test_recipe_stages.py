@@ -113,6 +113,10 @@ def test_make_demo_passes_each_stage_its_yaml_shards_and_makes_them():
     for command in demo.split("$(DS) ")[1:]:
         shards = re.search(r"--set 'data\.shards=\[([^\]]*)\]'", command).group(1)
         passed[re.match(r"--config (\S+)", command).group(1)] = shards.replace("$(STAGE2_SHARDS)", stage2).split(",")
+    text_cmd = makefile[makefile.index("\nTEXT_CMD = ") : makefile.index("\nFROM_TEXT = ")]  # TEXT_STAGE=1's stage
+    assert "$(if $(TEXT_STAGE),$(COPYING_SHARDS) && $(TEXT_CMD))" in makefile and "--config" in text_cmd
+    passed["scripts/configs/stage0_text.yaml"] = re.search(r"data\.shards=\[([^\]]*)\]", text_cmd).group(1).split(",")
+    configs.add("scripts/configs/stage0_text.yaml")
     assert set(passed) == configs
     for config, shards in passed.items():
         data = load_config(str(ROOT / config.replace("$(STAGE2)", "scripts/configs/stage2.yaml")))["data"]
