@@ -155,14 +155,18 @@ demo: venv demo-shards
 	@echo "scores:        $(DEMO_RUN)/eval/score_table.md (score, chance, eval-mode R total / text / image)"
 	@echo "concepts:      $(DEMO_RUN)/concepts.png, .html (what the chunker merged in one held-out sample)"
 
+# Its stage 2 also reads 1,000 text-needle haystacks, like those `make needles` trains on.
 instruct-long: venv
 	test -f $(DEMO_DATA)/scenes_chat/train/manifest.json || $(BIN)/python scripts/make_shards.py \
 		--synthetic scenes_chat --out $(DEMO_DATA)/scenes_chat --num-samples 8000 --eval-samples 200 --seed 1
 	test -f $(DEMO_DATA)/vision_multi/train/manifest.json || $(BIN)/python scripts/make_shards.py \
 		--synthetic scenes --option max_objects=3 --out $(DEMO_DATA)/vision_multi --num-samples 6000 --seed 5
-	$(MAKE) demo DEMO_RUN=runs/instruct-long STAGE2=scripts/configs/stage2_long.yaml \
+	test -f $(DEMO_DATA)/needles_long/train/manifest.json || $(BIN)/python scripts/make_shards.py \
+		--synthetic needles_chat --option min_units=4 --option max_units=9 --option modalities=text \
+		--out $(DEMO_DATA)/needles_long --num-samples 1000 --eval-samples 100 --seed 8 --max-count 250
+	$(MAKE) demo DEMO_RUN=runs/instruct-long STAGE2=scripts/configs/stage2_long.yaml TEXT_STAGE=1 TEXT_STEPS=2500 \
 		TOWER_SHARDS="$(DEMO_DATA)/vision/train $(DEMO_DATA)/vision_multi/train" \
-		STAGE2_SHARDS=$(DEMO_DATA)/tasks/train,$(DEMO_DATA)/one/train,$(DEMO_DATA)/look_small/train,$(DEMO_DATA)/scenes_chat/train
+		STAGE2_SHARDS=$(STAGE2_SHARDS),$(DEMO_DATA)/scenes_chat/train,$(DEMO_DATA)/needles_long/train
 
 # Needles in text: the language model learns to copy (scripts/configs/stage0_text.yaml: "repeat the line that starts
 # with ...", tied input / output embeddings, 3,000 steps), then to find a needle and restate its sentence
