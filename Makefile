@@ -44,8 +44,9 @@ test: venv
 # 2-process DeepSpeed -> HF exports -> per-modality R report -> lmms-eval on the five local tasks through the
 # conceptmoe plugin (chat template) -> per-task R report -> score table (score, chance, R per modality) -> the
 # concepts of one held-out sample (scripts/show_concepts.py: runs/demo/concepts.png, .html).
-# `make instruct-long` is the same recipe with a longer stage 2 (scripts/configs/stage2_long.yaml, 50 min), its
-# stage 0 on scenes of 1-3 objects too.
+# `make instruct-long` is the same recipe with a text stage before stage 1a (TEXT_STAGE=1: it learns to copy) and a
+# longer stage 2 with text needles (scripts/configs/stage2_long.yaml; 55 min in all), its stage 0 on scenes of 1-3
+# objects too.
 DEMO_DATA := data/demo
 DEMO_RUN := runs/demo
 STAGE2 := scripts/configs/stage2.yaml
