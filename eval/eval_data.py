@@ -124,7 +124,7 @@ def niah_rows(n_per_bucket: int, seed: int, lengths: Sequence[str], images_dir: 
 
     def bucket(b: int, name: str) -> Iterator[dict]:
         units, gen_seed = NIAH_LENGTHS[name], _bucket_seed(seed, 1, b)
-        for i, sample in enumerate(needles.generate(n_per_bucket, gen_seed, SPLIT, units, units)):
+        for i, sample in enumerate(needles.generate(n_per_bucket, gen_seed, SPLIT, units, units, answer="sentence")):
             doc_id = f"niah-{name}-{i:05d}"
             segments = []
             for k, seg in enumerate(sample.segments[:-1]):  # the last segment is the question
