@@ -53,6 +53,13 @@ def main(argv=None) -> int:
         metavar="WINDOW",
         help="multilabel: pairs of caption words up to WINDOW informative tokens apart are labels too (binding)",
     )
+    p.add_argument(
+        "--patch-labels",
+        type=float,
+        default=d.patch_labels,
+        metavar="WEIGHT",
+        help="superclass / multilabel: word detectors on every patch (noisy-OR over the patches), this weight",
+    )
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")

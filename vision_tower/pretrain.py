@@ -144,6 +144,11 @@ def caption_idf(captions: list[list[int]], vocab_size: int) -> torch.Tensor:
     return (math.log(len(captions)) - torch.log1p(df_V)).clamp(min=0.0)
 
 
+def caption_words(captions: list[list[int]], idf_V: torch.Tensor) -> list[int]:
+    """The token ids that some caption holds with IDF > 0 (the labels a caption can have), sorted."""
+    return sorted({t for ids in captions for t in ids if idf_V[t] > 0})
+
+
 def caption_targets(ids_BT: torch.Tensor, mask_BT: torch.Tensor, idf_V: torch.Tensor) -> torch.Tensor:
     """A caption's multi-hot over the vocabulary, each present token weighted by its IDF, normalised to sum 1
     (a caption with no weighted token gets an all-zero row, which adds no loss)."""
@@ -167,8 +172,22 @@ def multilabel_loss(logits_BV: torch.Tensor, target_BV: torch.Tensor) -> torch.T
     return F.binary_cross_entropy_with_logits(logits_BV.float(), labels_BV, reduction="sum") / len(logits_BV)
 
 
+def patch_word_loss(logits_BLK: torch.Tensor, valid_BL: torch.Tensor, labels_BK: torch.Tensor) -> torch.Tensor:
+    """Word detectors on every patch, pooled by noisy-OR (multiple-instance learning, Fang et al. 2015, "From
+    Captions to Visual Concepts and Back", arXiv 1411.4952, Sec. 3.1): an image holds word ``k`` with probability
+    ``P_k = 1 - prod_j (1 - sigmoid(x_jk))`` over its valid patches ``j``, trained with binary cross-entropy against
+    the caption's 0/1 ``labels_BK``. ``log(1 - P_k) = -sum_j softplus(x_jk)``, so a positive costs
+    ``-log(1 - exp(-s_k))`` and a negative ``s_k``, with ``s_k`` that sum: summed over words, averaged over images.
+    One patch firing is enough for a positive and every patch must stay silent for a negative, so each word is
+    carried by the patches of the thing it names: a colour and a shape on the same object's patches (binding)."""
+    s_BK = (F.softplus(logits_BLK.float()) * valid_BL[..., None].float()).sum(1)
+    positive_BK = -torch.log(-torch.expm1(-s_BK.clamp(min=1e-6)))
+    return torch.where(labels_BK > 0, positive_BK, s_BK).sum() / len(logits_BLK)
+
+
 CAPTION_LOSSES = {"softmax": caption_classification_loss, "sigmoid": multilabel_loss}
 PAIR_MIN_COUNT = 5  # a pair of words is a label when at least this many training captions hold it
+PATCH_PRIOR_ODDS = 400.0  # a patch word detector starts at sigmoid(-log 400) = 0.0025: an image of 64 patches ~0.15
 
 
 def word_pairs(ids: Sequence[int], idf: Sequence[float], window: int) -> set[tuple[int, int]]:
@@ -207,6 +226,7 @@ class CaptionClassOutput:
     loss: torch.Tensor  # scalar
     logits_BV: torch.Tensor
     target_BV: torch.Tensor
+    patch_loss: torch.Tensor | None = None  # scalar, with ``patch_labels``: :func:`patch_word_loss` (unweighted)
 
 
 class CaptionClassPretrainer(nn.Module):
@@ -214,7 +234,11 @@ class CaptionClassPretrainer(nn.Module):
     per token id of the vocabulary, trained with ``loss``: ``"softmax"`` (:func:`caption_classification_loss`,
     SuperClass) or ``"sigmoid"`` (:func:`multilabel_loss`). ``idf_V`` (from :func:`caption_idf` over the training
     captions) is a buffer: the same weights for every batch. With ``pairs`` (a :func:`pair_vocabulary` of
-    ``pair_window``; sigmoid only) the layer gives one logit more per pair, each a binary label of its own."""
+    ``pair_window``; sigmoid only) the layer gives one logit more per pair, each a binary label of its own. With
+    ``patch_labels`` > 0 a second linear layer scores each of ``patch_words`` (the token ids of the training captions'
+    informative words: :func:`caption_words`) on every patch, and
+    :func:`patch_word_loss` times ``patch_labels`` is added: the patch features themselves, not only the summary,
+    name what they show."""
 
     score_name = "r_precision"  # what :meth:`batch_score` measures
 
@@ -225,6 +249,8 @@ class CaptionClassPretrainer(nn.Module):
         loss: str = "softmax",
         pairs: dict | None = None,
         pair_window: int = 4,
+        patch_labels: float = 0.0,
+        patch_words: Sequence[int] = (),
     ):
         super().__init__()
         if loss not in CAPTION_LOSSES:
@@ -236,16 +262,31 @@ class CaptionClassPretrainer(nn.Module):
         self.pairs, self.pair_window, self._idf = pairs or {}, pair_window, idf_V.tolist()
         self.head = nn.Linear(tower.require_summary_pool().out_dim, len(idf_V) + len(self.pairs))
         self.register_buffer("idf_V", idf_V.float(), persistent=False)
+        if patch_labels < 0 or (patch_labels and not len(patch_words)):
+            raise ValueError(f"patch_labels must be >= 0, and > 0 only with patch_words, got {patch_labels}")
+        self.patch_labels = patch_labels
+        if patch_labels:
+            self.register_buffer(
+                "word_ids_K", torch.tensor(sorted(set(patch_words)), dtype=torch.long), persistent=False
+            )
+            self.patch_head = nn.Linear(tower.out_dim, len(self.word_ids_K))
+            nn.init.constant_(self.patch_head.bias, -math.log(PATCH_PRIOR_ODDS))
 
     def forward(self, patches, patch_coord, patch_valid, ids_BT, mask_BT) -> CaptionClassOutput:
-        logits = self.head(self.tower.summarize(self.tower(patches, patch_coord, patch_valid)))
+        feats = self.tower(patches, patch_coord, patch_valid)
+        logits = self.head(self.tower.summarize(feats))
         logits_BV, logits_BP = logits[:, : len(self.idf_V)], logits[:, len(self.idf_V) :]
         target_BV = caption_targets(ids_BT, mask_BT, self.idf_V)
         loss = self.loss_fn(logits_BV, target_BV)
         if self.pairs:
             target_BP = pair_targets(ids_BT, mask_BT, self._idf, self.pairs, self.pair_window)
             loss = loss + multilabel_loss(logits_BP, target_BP)
-        return CaptionClassOutput(loss, logits_BV, target_BV)
+        patch_loss = None
+        if self.patch_labels:
+            labels_BK = target_BV[:, self.word_ids_K]
+            patch_loss = patch_word_loss(self.patch_head(feats.features_BLD), feats.valid_BL, labels_BK)
+            loss = loss + self.patch_labels * patch_loss
+        return CaptionClassOutput(loss, logits_BV, target_BV, patch_loss)
 
     @torch.no_grad()
     def batch_score(self, out: CaptionClassOutput) -> float:

@@ -17,9 +17,11 @@ from vision_tower.pretrain import (
     caption_classification_loss,
     caption_idf,
     caption_targets,
+    caption_words,
     multilabel_loss,
     pair_targets,
     pair_vocabulary,
+    patch_word_loss,
     sigmoid_contrastive_loss,
     word_pairs,
 )
@@ -154,6 +156,59 @@ def test_word_pair_labels_teach_a_tiny_tower_which_colour_is_on_the_left():
         pair_logits = model.head(summary)[:, 7:]
     for i, (a, _, b, _) in enumerate(captions):
         assert pair_logits[i, vocab[(a, b)]] > pair_logits[i, vocab[(b, a)]] + 1.0
+
+
+def test_patch_word_loss_is_noisy_or_cross_entropy_over_the_valid_patches():
+    torch.manual_seed(0)
+    logits_BLK = torch.randn(3, 5, 4)
+    valid_BL = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 0, 0, 0, 0]]).bool()
+    labels_BK = torch.tensor([[1, 0, 0, 1], [0, 1, 0, 0], [1, 1, 1, 1]]).float()
+    want = 0.0
+    for b in range(3):
+        p_LK = torch.sigmoid(logits_BLK[b, valid_BL[b]]).double()
+        image_K = 1 - (1 - p_LK).prod(0)  # noisy-OR: the image holds the word unless every patch says no
+        want += -(labels_BK[b] * image_K.log() + (1 - labels_BK[b]) * (1 - image_K).log()).sum().item()
+    assert patch_word_loss(logits_BLK, valid_BL, labels_BK).item() == pytest.approx(want / 3, rel=1e-5)
+    garbage_BLK = logits_BLK.clone()
+    garbage_BLK[~valid_BL] = 50.0  # padding patches say nothing
+    assert torch.allclose(
+        patch_word_loss(garbage_BLK, valid_BL, labels_BK), patch_word_loss(logits_BLK, valid_BL, labels_BK)
+    )
+    assert caption_words([[1, 2, 0], [2, 3, 0]], torch.tensor([0.0, 1.0, 0.5, 1.0, 2.0])) == [1, 2, 3]
+
+
+def test_patch_labels_put_each_word_on_the_patches_that_show_it():
+    """Two colours side by side, captions name both colours and nothing says which is where: with patch labels,
+    each colour's detector fires more on every patch of its own half than on any of the other half's (the word
+    sits on the patches of the thing it names), and a negative weight or a missing word list is refused."""
+    colours = [(255, 0, 0), (0, 0, 255), (0, 160, 0), (255, 255, 0)]
+    images, captions = [], []
+    for a, b in [(0, 1), (1, 0), (2, 3), (3, 2), (0, 2), (3, 1)]:
+        pixels = np.zeros((16, 32, 3), dtype=np.uint8)
+        pixels[:, :16], pixels[:, 16:] = colours[a], colours[b]
+        images.append(Image.fromarray(pixels))
+        captions.append([1 + a, 1 + b, 5])  # 5 is in every caption: no label
+    idf_V = caption_idf(captions, vocab_size=6)
+    torch.manual_seed(0)
+    tower = VisionTower(embed_dim=32, depth=1, num_heads=2, patch_size=8, summary=True)
+    words = caption_words(captions, idf_V)
+    assert words == [1, 2, 3, 4]
+    model = CaptionClassPretrainer(tower, idf_V, loss="sigmoid", patch_labels=1.0, patch_words=words)
+    batch = PROC(images)
+    _, out = fit(model, batch, torch.tensor(captions), torch.ones(6, 3, dtype=torch.bool), steps=200)
+    assert out.patch_loss is not None and out.patch_loss.item() < 1.0
+    with torch.no_grad():
+        feats = model.tower(batch["patches"], batch["patch_coord"], batch["patch_valid"])
+        prob_BLK = torch.sigmoid(model.patch_head(feats.features_BLD))
+    for i, (a, b, _) in enumerate(captions):
+        left_L = feats.valid_BL[i] & (feats.coord_BL2[i, :, 1] < 2)  # patches 8 px wide: x 0-1 is the left half
+        right_L = feats.valid_BL[i] & (feats.coord_BL2[i, :, 1] >= 2)
+        assert prob_BLK[i, left_L, a - 1].min() > prob_BLK[i, right_L, a - 1].max() + 0.2
+        assert prob_BLK[i, right_L, b - 1].min() > prob_BLK[i, left_L, b - 1].max() + 0.2
+    with pytest.raises(ValueError, match="patch_labels"):
+        CaptionClassPretrainer(tower, idf_V, loss="sigmoid", patch_labels=1.0)
+    with pytest.raises(ValueError, match="patch_labels"):
+        CaptionClassPretrainer(tower, idf_V, loss="sigmoid", patch_labels=-1.0, patch_words=words)
 
 
 @pytest.mark.parametrize("loss", ["softmax", "sigmoid"])

@@ -42,7 +42,13 @@ from data_pipelines.schema import SkipSample, decode_sample, open_image
 from data_pipelines.tar_reader import TruncatedTar, expand_shards, read_tar_groups, skip_marked
 from data_pipelines.tokenizer import load_tokenizer, pad_id
 from vision_tower import ImageProcessor, VisionTower
-from vision_tower.pretrain import CaptionClassPretrainer, ContrastivePretrainer, caption_idf, pair_vocabulary
+from vision_tower.pretrain import (
+    CaptionClassPretrainer,
+    ContrastivePretrainer,
+    caption_idf,
+    caption_words,
+    pair_vocabulary,
+)
 from vision_tower.tower import SUMMARY_PREFIX
 from vlm.config import VISION_PRESETS, ConceptMoEVLMConfig
 
@@ -70,6 +76,7 @@ class VisionPretrainConfig:
     tower: dict = field(default_factory=dict)  # TOWER_FIELDS overrides (the VLM config's names)
     objective: str = "siglip"  # one of OBJECTIVES
     label_pairs: int = 0  # multilabel: word pairs up to this many informative tokens apart are labels too (0: off)
+    patch_labels: float = 0.0  # superclass / multilabel: weight of the per-patch word detectors' loss (0: off)
     max_patches: int = 64
     pixel_shuffle: int = 2
     steps: int = 600
@@ -100,6 +107,11 @@ class VisionPretrainConfig:
         if self.label_pairs < 0 or (self.label_pairs and self.objective != "multilabel"):
             raise ValueError(
                 f"label_pairs must be >= 0, and > 0 only with objective multilabel, got {self.label_pairs}"
+            )
+        if self.patch_labels < 0 or (self.patch_labels and self.objective not in CAPTION_LOSS):
+            raise ValueError(
+                f"patch_labels must be >= 0, and > 0 only with objective superclass or multilabel, got "
+                f"{self.patch_labels}"
             )
         if self.batch_size < 2 or self.steps < 1 or self.warmup < 1:
             raise ValueError("batch_size must be >= 2, steps >= 1 and warmup >= 1")
@@ -205,16 +217,24 @@ def forward(model: ContrastivePretrainer | CaptionClassPretrainer, batch: dict):
     return model(batch["patches"], batch["patch_coord"], batch["patch_valid"], batch["ids_BT"], batch["mask_BT"])
 
 
-def build_pretrainer(objective: str, tower: VisionTower, train: list[Pair], vocab_size: int, label_pairs: int = 0):
+def build_pretrainer(
+    objective: str,
+    tower: VisionTower,
+    train: list[Pair],
+    vocab_size: int,
+    label_pairs: int = 0,
+    patch_labels: float = 0.0,
+):
     """The objective's model around ``tower``; the caption-word objectives take their IDF (and with ``label_pairs``,
-    their word-pair labels) from ``train``."""
+    their word-pair labels) from ``train``, and with ``patch_labels`` train word detectors on every patch too."""
     if objective in CAPTION_LOSS:
         captions = [ids for _, ids in train]
         idf_V = caption_idf(captions, vocab_size)
         pairs = (
             dict(pairs=pair_vocabulary(captions, idf_V, label_pairs), pair_window=label_pairs) if label_pairs else {}
         )
-        return CaptionClassPretrainer(tower, idf_V, loss=CAPTION_LOSS[objective], **pairs)
+        words = dict(patch_labels=patch_labels, patch_words=caption_words(captions, idf_V)) if patch_labels else {}
+        return CaptionClassPretrainer(tower, idf_V, loss=CAPTION_LOSS[objective], **pairs, **words)
     return ContrastivePretrainer(tower, vocab_size, max_caption_tokens=MAX_CAPTION_TOKENS)
 
 
@@ -263,7 +283,7 @@ def pretrain_vision(cfg: VisionPretrainConfig, log: Callable[[str], None] = prin
     held_out = read_pairs(cfg.eval_shards, tokenizer, MAX_CAPTION_TOKENS, skipped, log) if cfg.eval_shards else []
     if len(train) < cfg.batch_size:
         raise ValueError(f"{len(train)} image-caption pairs in the shards, fewer than batch_size {cfg.batch_size}")
-    model = build_pretrainer(cfg.objective, tower, train, len(tokenizer), cfg.label_pairs)
+    model = build_pretrainer(cfg.objective, tower, train, len(tokenizer), cfg.label_pairs, cfg.patch_labels)
     log(data_line(train, held_out, skipped, model))
     read_skips = Counter(skipped)  # every rank read every shard: counted once; later skips are each rank's own
     if world > 1:
@@ -283,7 +303,9 @@ def pretrain_vision(cfg: VisionPretrainConfig, log: Callable[[str], None] = prin
         if (step + 1) % cfg.log_every == 0 or step == 0:
             took = time.time() - t0
             score = model.batch_score(out)
-            log(f"step {step + 1}/{cfg.steps} loss {out.loss.item():.4f} {model.score_name} {score:.3f} ({took:.0f} s)")
+            patch = f" patch_loss {out.patch_loss.item():.4f}" if getattr(out, "patch_loss", None) is not None else ""
+            scored = f"{model.score_name} {score:.3f} ({took:.0f} s)"
+            log(f"step {step + 1}/{cfg.steps} loss {out.loss.item():.4f}{patch} {scored}")
         if rank == 0 and held_out and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
             history.append({"step": step + 1, **evaluate(model, held_out, processor, pad, cfg.batch_size, skipped)})
             log(json.dumps(history[-1]))

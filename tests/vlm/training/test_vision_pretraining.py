@@ -100,8 +100,11 @@ def test_pretraining_writes_a_tower_the_vlm_loads_and_counts_what_it_skipped(tmp
     assert torch.equal(load_file(str(out))[next(iter(weights))], weights[next(iter(weights))])
 
 
-@pytest.mark.parametrize(("objective", "label_pairs"), [("superclass", 0), ("multilabel", 0), ("multilabel", 2)])
-def test_caption_word_pretraining_writes_a_tower_the_vlm_loads(tmp_path, objective, label_pairs):
+@pytest.mark.parametrize(
+    ("objective", "label_pairs", "patch_labels"),
+    [("superclass", 0, 0.0), ("multilabel", 0, 0.0), ("multilabel", 2, 0.0), ("multilabel", 0, 1.0)],
+)
+def test_caption_word_pretraining_writes_a_tower_the_vlm_loads(tmp_path, objective, label_pairs, patch_labels):
     make_synthetic(["scenes"], str(tmp_path / "shards"), num_samples=24, seed=0, eval_samples=16)
     out = tmp_path / "tower.safetensors"
     cfg = VisionPretrainConfig(
@@ -111,6 +114,7 @@ def test_caption_word_pretraining_writes_a_tower_the_vlm_loads(tmp_path, objecti
         tower=TOWER,
         objective=objective,
         label_pairs=label_pairs,
+        patch_labels=patch_labels,
         steps=3,
         batch_size=8,
         warmup=1,
@@ -120,6 +124,7 @@ def test_caption_word_pretraining_writes_a_tower_the_vlm_loads(tmp_path, objecti
     record = pretrain_vision(cfg, log=lines.append)
     assert record["config"]["objective"] == objective
     assert ("word-pair labels" in lines[0]) == bool(label_pairs), lines[0]
+    assert any("patch_loss" in line for line in lines) == bool(patch_labels), lines
     assert 0.0 <= record["eval"][-1]["eval_r_precision"] <= 1.0 and "retrieval_chance" not in record["eval"][-1]
     model = ConceptMoEVLM.from_preset("tiny-moe", vision_weights=str(out), vision_summary=True, **TOWER)
     own = model.vision_tower.state_dict()  # the timm model's keys under model., and the summary pool's
@@ -136,6 +141,8 @@ def test_pretrain_cli_refuses_bad_settings_in_one_line(tmp_path, capsys):
         (["--preset", "huge"], "preset must be one of"),
         (["--objective", "clip"], "invalid choice"),
         (["--label-pairs", "2"], "only with objective multilabel"),
+        (["--patch-labels", "1"], "only with objective superclass or multilabel"),
+        (["--objective", "multilabel", "--patch-labels", "-1"], "patch_labels must be >= 0"),
     ):
         base = ["--shards", str(tmp_path), "--out", str(tmp_path / "t.safetensors")]
         with pytest.raises(SystemExit):
