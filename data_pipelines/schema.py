@@ -237,3 +237,18 @@ def _img2dataset(raw: dict, key: str) -> Sample:
             raise SkipSample("bad_json", f"{key}: {err}") from None
     segments = [Segment(image=raw[ext], image_ext=ext), Segment(text=_text(raw["txt"], key))]
     return Sample(key=key, segments=segments, meta=meta if isinstance(meta, dict) else {})
+
+
+def sample_regions(meta: dict) -> list[tuple[list[float], str]]:
+    """A sample's boxed phrases, ``[(box, text)]`` with ``box`` ``[x0, y0, x1, y1]`` normalised to 0-1: the
+    grounded-caption field ``meta["regions"]`` (``[{"box": [...], "text": "red square"}]``, as region-described
+    datasets give them: Visual Genome regions, RefCOCO, GRIT's noun phrases), else the objects of this toolkit's
+    scenes (``meta["objects"]``: box, size, colour, shape and position words). Regions without a 4-number box or
+    text are left out."""
+    if "regions" in meta:
+        items = [(r.get("box"), r.get("text")) for r in meta["regions"] if isinstance(r, dict)]
+    else:
+        keys = ("size", "colour", "shape", "position")
+        items = [(o.get("box"), " ".join(str(o[k]) for k in keys if k in o)) for o in meta.get("objects", [])]
+    ok = lambda box: isinstance(box, list | tuple) and len(box) == 4 and all(isinstance(v, int | float) for v in box)
+    return [([float(v) for v in box], text) for box, text in items if ok(box) and isinstance(text, str) and text]

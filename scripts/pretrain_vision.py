@@ -60,6 +60,14 @@ def main(argv=None) -> int:
         metavar="WEIGHT",
         help="superclass / multilabel: word detectors on every patch (noisy-OR over the patches), this weight",
     )
+    p.add_argument(
+        "--region-labels",
+        type=float,
+        default=d.region_labels,
+        metavar="WEIGHT",
+        help="superclass / multilabel: each patch inside a boxed region (meta regions, or the scenes' objects) "
+        "learns that region's words, this weight",
+    )
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")

@@ -185,6 +185,17 @@ def patch_word_loss(logits_BLK: torch.Tensor, valid_BL: torch.Tensor, labels_BK:
     return torch.where(labels_BK > 0, positive_BK, s_BK).sum() / len(logits_BLK)
 
 
+def region_word_loss(logits_BLK: torch.Tensor, valid_BL: torch.Tensor, target_BLK: torch.Tensor) -> torch.Tensor:
+    """Box-supervised patch words: every valid patch whose centre lies in a region's box has that region's words
+    (``target_BLK`` 0/1) as labels, every other word (and every word of a patch in no box) as a negative; sigmoid
+    binary cross-entropy summed over the words, averaged over the valid patches. Each patch of an object then names
+    that object's size, colour, shape and place itself (binding), which the caption's words pooled over the whole
+    image (``multilabel_loss``) or over the best patch (:func:`patch_word_loss`) do not ask."""
+    valid = valid_BL.bool()
+    bce = F.binary_cross_entropy_with_logits(logits_BLK[valid].float(), target_BLK[valid].float(), reduction="sum")
+    return bce / valid.sum().clamp(min=1)
+
+
 CAPTION_LOSSES = {"softmax": caption_classification_loss, "sigmoid": multilabel_loss}
 PAIR_MIN_COUNT = 5  # a pair of words is a label when at least this many training captions hold it
 PATCH_PRIOR_ODDS = 400.0  # a patch word detector starts at sigmoid(-log 400) = 0.0025: an image of 64 patches ~0.15
@@ -227,6 +238,7 @@ class CaptionClassOutput:
     logits_BV: torch.Tensor
     target_BV: torch.Tensor
     patch_loss: torch.Tensor | None = None  # scalar, with ``patch_labels``: :func:`patch_word_loss` (unweighted)
+    region_loss: torch.Tensor | None = None  # scalar, with ``region_labels``: :func:`region_word_loss` (unweighted)
 
 
 class CaptionClassPretrainer(nn.Module):
@@ -238,7 +250,8 @@ class CaptionClassPretrainer(nn.Module):
     ``patch_labels`` > 0 a second linear layer scores each of ``patch_words`` (the token ids of the training captions'
     informative words: :func:`caption_words`) on every patch, and
     :func:`patch_word_loss` times ``patch_labels`` is added: the patch features themselves, not only the summary,
-    name what they show."""
+    name what they show. With ``region_labels`` > 0 the same layer is trained on ``region_BLK`` (each patch's words
+    from the boxed regions it lies in: :func:`region_word_loss`) with that weight."""
 
     score_name = "r_precision"  # what :meth:`batch_score` measures
 
@@ -251,6 +264,7 @@ class CaptionClassPretrainer(nn.Module):
         pair_window: int = 4,
         patch_labels: float = 0.0,
         patch_words: Sequence[int] = (),
+        region_labels: float = 0.0,
     ):
         super().__init__()
         if loss not in CAPTION_LOSSES:
@@ -262,17 +276,18 @@ class CaptionClassPretrainer(nn.Module):
         self.pairs, self.pair_window, self._idf = pairs or {}, pair_window, idf_V.tolist()
         self.head = nn.Linear(tower.require_summary_pool().out_dim, len(idf_V) + len(self.pairs))
         self.register_buffer("idf_V", idf_V.float(), persistent=False)
-        if patch_labels < 0 or (patch_labels and not len(patch_words)):
-            raise ValueError(f"patch_labels must be >= 0, and > 0 only with patch_words, got {patch_labels}")
-        self.patch_labels = patch_labels
-        if patch_labels:
+        for name, weight in (("patch_labels", patch_labels), ("region_labels", region_labels)):
+            if weight < 0 or (weight and not len(patch_words)):
+                raise ValueError(f"{name} must be >= 0, and > 0 only with patch_words, got {weight}")
+        self.patch_labels, self.region_labels = patch_labels, region_labels
+        if patch_labels or region_labels:
             self.register_buffer(
                 "word_ids_K", torch.tensor(sorted(set(patch_words)), dtype=torch.long), persistent=False
             )
             self.patch_head = nn.Linear(tower.out_dim, len(self.word_ids_K))
             nn.init.constant_(self.patch_head.bias, -math.log(PATCH_PRIOR_ODDS))
 
-    def forward(self, patches, patch_coord, patch_valid, ids_BT, mask_BT) -> CaptionClassOutput:
+    def forward(self, patches, patch_coord, patch_valid, ids_BT, mask_BT, region_BLK=None) -> CaptionClassOutput:
         feats = self.tower(patches, patch_coord, patch_valid)
         logits = self.head(self.tower.summarize(feats))
         logits_BV, logits_BP = logits[:, : len(self.idf_V)], logits[:, len(self.idf_V) :]
@@ -281,12 +296,16 @@ class CaptionClassPretrainer(nn.Module):
         if self.pairs:
             target_BP = pair_targets(ids_BT, mask_BT, self._idf, self.pairs, self.pair_window)
             loss = loss + multilabel_loss(logits_BP, target_BP)
-        patch_loss = None
+        patch_loss = region_loss = None
+        if self.patch_labels or self.region_labels:
+            logits_BLK = self.patch_head(feats.features_BLD)
         if self.patch_labels:
-            labels_BK = target_BV[:, self.word_ids_K]
-            patch_loss = patch_word_loss(self.patch_head(feats.features_BLD), feats.valid_BL, labels_BK)
+            patch_loss = patch_word_loss(logits_BLK, feats.valid_BL, target_BV[:, self.word_ids_K])
             loss = loss + self.patch_labels * patch_loss
-        return CaptionClassOutput(loss, logits_BV, target_BV, patch_loss)
+        if self.region_labels and region_BLK is not None:
+            region_loss = region_word_loss(logits_BLK, feats.valid_BL, region_BLK)
+            loss = loss + self.region_labels * region_loss
+        return CaptionClassOutput(loss, logits_BV, target_BV, patch_loss, region_loss)
 
     @torch.no_grad()
     def batch_score(self, out: CaptionClassOutput) -> float:

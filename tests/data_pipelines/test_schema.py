@@ -106,3 +106,16 @@ def test_good_conversation_edges_decode():
     raw = _raw([_t("user"), _t("assistant", "img0.png")], **{"img0.png": PNG})
     assert decode_sample(raw).turns == [Turn("user", []), Turn("assistant", [Segment(image=PNG, image_ext="png")])]
     check_conversation([Turn("system", []), Turn("user", []), Turn("assistant", [Segment(text="x")])])
+
+
+def test_sample_regions_reads_grounded_regions_or_the_scenes_objects_and_drops_bad_ones():
+    from data_pipelines.schema import sample_regions
+
+    meta = {"regions": [{"box": [0, 0.1, 0.5, 0.6], "text": "red square"}, {"box": [0, 1], "text": "x"}, {"text": "y"}]}
+    assert sample_regions(meta) == [([0.0, 0.1, 0.5, 0.6], "red square")]
+    objects = [
+        {"box": [0.1, 0.2, 0.3, 0.4], "size": "small", "colour": "red", "shape": "square", "position": "top left"},
+        {"box": None, "colour": "blue", "shape": "circle"},
+    ]
+    assert sample_regions({"objects": objects}) == [([0.1, 0.2, 0.3, 0.4], "small red square top left")]
+    assert sample_regions({}) == []

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from data_pipelines.schema import SkipSample, decode_sample, open_image
+from data_pipelines.schema import SkipSample, decode_sample, open_image, sample_regions
 from data_pipelines.tar_reader import TruncatedTar, expand_shards, read_tar_groups, skip_marked
 from data_pipelines.tokenizer import load_tokenizer, pad_id
 from vision_tower import ImageProcessor, VisionTower
@@ -61,7 +61,8 @@ TOWER_FIELDS = (
     "vision_pos_embed",
     "vision_stem",
 )
-Pair = tuple[bytes, list[int]]  # (image file bytes, caption token ids)
+Region = tuple[list[float], list[int]]  # (normalised box [x0, y0, x1, y1], the region text's token ids)
+Pair = tuple[bytes, list[int], list[Region]]  # (image file bytes, caption token ids, the sample's boxed regions)
 OBJECTIVES = ("siglip", "superclass", "multilabel")
 CAPTION_LOSS = {"superclass": "softmax", "multilabel": "sigmoid"}  # the CaptionClassPretrainer objectives
 MAX_CAPTION_TOKENS = 64
@@ -77,6 +78,7 @@ class VisionPretrainConfig:
     objective: str = "siglip"  # one of OBJECTIVES
     label_pairs: int = 0  # multilabel: word pairs up to this many informative tokens apart are labels too (0: off)
     patch_labels: float = 0.0  # superclass / multilabel: weight of the per-patch word detectors' loss (0: off)
+    region_labels: float = 0.0  # superclass / multilabel: weight of the box-supervised patch words' loss (0: off)
     max_patches: int = 64
     pixel_shuffle: int = 2
     steps: int = 600
@@ -108,11 +110,12 @@ class VisionPretrainConfig:
             raise ValueError(
                 f"label_pairs must be >= 0, and > 0 only with objective multilabel, got {self.label_pairs}"
             )
-        if self.patch_labels < 0 or (self.patch_labels and self.objective not in CAPTION_LOSS):
-            raise ValueError(
-                f"patch_labels must be >= 0, and > 0 only with objective superclass or multilabel, got "
-                f"{self.patch_labels}"
-            )
+        for name in ("patch_labels", "region_labels"):
+            weight = getattr(self, name)
+            if weight < 0 or (weight and self.objective not in CAPTION_LOSS):
+                raise ValueError(
+                    f"{name} must be >= 0, and > 0 only with objective superclass or multilabel, got {weight}"
+                )
         if self.batch_size < 2 or self.steps < 1 or self.warmup < 1:
             raise ValueError("batch_size must be >= 2, steps >= 1 and warmup >= 1")
         world = world_size()
@@ -172,7 +175,8 @@ def summed_counts(counts: Counter, world: int) -> Counter:
 
 
 def read_pairs(shards, tokenizer, max_tokens: int, skipped: Counter, warn: Callable[[str], None] = print) -> list[Pair]:
-    """(image bytes, caption ids) for every usable sample of ``shards``; the rest counted in ``skipped`` by kind."""
+    """(image bytes, caption ids, boxed regions with their text's ids: ``sample_regions``) for every usable sample of
+    ``shards``; the rest counted in ``skipped`` by kind."""
     pairs = []
     for path in expand_shards(shards):
         try:
@@ -188,25 +192,48 @@ def read_pairs(shards, tokenizer, max_tokens: int, skipped: Counter, warn: Calla
                 except SkipSample as err:
                     skipped[err.kind] += 1
                     continue
-                pairs.append((images[0], tokenizer(text)["input_ids"][:max_tokens]))
+                regions = [(box, tokenizer(phrase)["input_ids"]) for box, phrase in sample_regions(sample.meta)]
+                pairs.append((images[0], tokenizer(text)["input_ids"][:max_tokens], regions))
         except TruncatedTar as err:
             skipped["truncated_tar"] += 1
             warn(f"pretrain_vision: skipped the rest of a shard: {err}")
     return pairs
 
 
-def make_batch(pairs: list[Pair], processor: ImageProcessor, pad: int, skipped: Counter) -> dict | None:
-    """Images cut by ``processor`` and captions padded with ``pad``; None when fewer than two images decode."""
-    images, captions = [], []
-    for data, ids in pairs:
+def region_targets(batch: dict, regions: list[list[Region]], word_index: dict[int, int]) -> torch.Tensor:
+    """[B, L, K] 0/1: patch ``l`` of image ``b`` has word ``k`` (``word_index``: token id -> k) when the patch's
+    centre on the processor's grid lies inside the box of one of the image's regions whose text holds it."""
+    coord_BL2, valid_BL, grid_B2 = batch["patch_coord"], batch["patch_valid"].bool(), batch["grid_hw"]
+    target_BLK = torch.zeros(*valid_BL.shape, len(word_index))
+    for b, image_regions in enumerate(regions):
+        cy_L = (coord_BL2[b, :, 0].float() + 0.5) / grid_B2[b, 0]
+        cx_L = (coord_BL2[b, :, 1].float() + 0.5) / grid_B2[b, 1]
+        for (x0, y0, x1, y1), ids in image_regions:
+            inside_L = valid_BL[b] & (cx_L >= x0) & (cx_L <= x1) & (cy_L >= y0) & (cy_L <= y1)
+            words = sorted({word_index[t] for t in ids if t in word_index})
+            if words and inside_L.any():
+                target_BLK[b, inside_L.nonzero().flatten()[:, None], torch.tensor(words)[None]] = 1.0
+    return target_BLK
+
+
+def make_batch(
+    pairs: list[Pair], processor: ImageProcessor, pad: int, skipped: Counter, word_index: dict[int, int] | None = None
+) -> dict | None:
+    """Images cut by ``processor`` and captions padded with ``pad`` (with ``word_index``, each patch's region words
+    too: :func:`region_targets`); None when fewer than two images decode."""
+    images, captions, regions = [], [], []
+    for data, ids, boxed in pairs:
         try:
             images.append(open_image(data))
             captions.append(ids)
+            regions.append(boxed)
         except SkipSample as err:
             skipped[err.kind] += 1
     if len(images) < 2:
         return None
     batch = dict(processor(images))
+    if word_index is not None:
+        batch["region_BLK"] = region_targets(batch, regions, word_index)
     length = max(len(ids) for ids in captions)
     batch["ids_BT"] = torch.tensor([ids + [pad] * (length - len(ids)) for ids in captions])
     batch["mask_BT"] = torch.tensor([[True] * len(ids) + [False] * (length - len(ids)) for ids in captions])
@@ -214,7 +241,10 @@ def make_batch(pairs: list[Pair], processor: ImageProcessor, pad: int, skipped: 
 
 
 def forward(model: ContrastivePretrainer | CaptionClassPretrainer, batch: dict):
-    return model(batch["patches"], batch["patch_coord"], batch["patch_valid"], batch["ids_BT"], batch["mask_BT"])
+    inputs = (batch["patches"], batch["patch_coord"], batch["patch_valid"], batch["ids_BT"], batch["mask_BT"])
+    if "region_BLK" in batch:
+        return model(*inputs, region_BLK=batch["region_BLK"])
+    return model(*inputs)
 
 
 def build_pretrainer(
@@ -224,16 +254,19 @@ def build_pretrainer(
     vocab_size: int,
     label_pairs: int = 0,
     patch_labels: float = 0.0,
+    region_labels: float = 0.0,
 ):
     """The objective's model around ``tower``; the caption-word objectives take their IDF (and with ``label_pairs``,
-    their word-pair labels) from ``train``, and with ``patch_labels`` train word detectors on every patch too."""
+    their word-pair labels) from ``train``, and with ``patch_labels`` / ``region_labels`` train word detectors on
+    every patch too."""
     if objective in CAPTION_LOSS:
-        captions = [ids for _, ids in train]
+        captions = [ids for _, ids, _ in train]
         idf_V = caption_idf(captions, vocab_size)
         pairs = (
             dict(pairs=pair_vocabulary(captions, idf_V, label_pairs), pair_window=label_pairs) if label_pairs else {}
         )
-        words = dict(patch_labels=patch_labels, patch_words=caption_words(captions, idf_V)) if patch_labels else {}
+        words = dict(patch_labels=patch_labels, region_labels=region_labels)
+        words = words | dict(patch_words=caption_words(captions, idf_V)) if patch_labels or region_labels else {}
         return CaptionClassPretrainer(tower, idf_V, loss=CAPTION_LOSS[objective], **pairs, **words)
     return ContrastivePretrainer(tower, vocab_size, max_caption_tokens=MAX_CAPTION_TOKENS)
 
@@ -283,7 +316,10 @@ def pretrain_vision(cfg: VisionPretrainConfig, log: Callable[[str], None] = prin
     held_out = read_pairs(cfg.eval_shards, tokenizer, MAX_CAPTION_TOKENS, skipped, log) if cfg.eval_shards else []
     if len(train) < cfg.batch_size:
         raise ValueError(f"{len(train)} image-caption pairs in the shards, fewer than batch_size {cfg.batch_size}")
-    model = build_pretrainer(cfg.objective, tower, train, len(tokenizer), cfg.label_pairs, cfg.patch_labels)
+    model = build_pretrainer(
+        cfg.objective, tower, train, len(tokenizer), cfg.label_pairs, cfg.patch_labels, cfg.region_labels
+    )
+    word_index = {int(t): k for k, t in enumerate(model.word_ids_K)} if cfg.region_labels else None
     log(data_line(train, held_out, skipped, model))
     read_skips = Counter(skipped)  # every rank read every shard: counted once; later skips are each rank's own
     if world > 1:
@@ -295,7 +331,7 @@ def pretrain_vision(cfg: VisionPretrainConfig, log: Callable[[str], None] = prin
         if len(order) < cfg.batch_size:
             order += rng.sample(range(len(train)), len(train))  # epochs: every pair once, in a new order
         picked, order = order[: cfg.batch_size], order[cfg.batch_size :]
-        batch = make_batch([train[i] for i in picked[rank::world]], processor, pad, skipped)
+        batch = make_batch([train[i] for i in picked[rank::world]], processor, pad, skipped, word_index)
         if not all_agree(batch is not None, world):
             continue
         lr = cfg.lr * min((step + 1) / cfg.warmup, 0.5 * (1 + math.cos(math.pi * step / cfg.steps)))
@@ -303,7 +339,8 @@ def pretrain_vision(cfg: VisionPretrainConfig, log: Callable[[str], None] = prin
         if (step + 1) % cfg.log_every == 0 or step == 0:
             took = time.time() - t0
             score = model.batch_score(out)
-            patch = f" patch_loss {out.patch_loss.item():.4f}" if getattr(out, "patch_loss", None) is not None else ""
+            parts = [(name, getattr(out, name, None)) for name in ("patch_loss", "region_loss")]
+            patch = "".join(f" {name} {value.item():.4f}" for name, value in parts if value is not None)
             scored = f"{model.score_name} {score:.3f} ({took:.0f} s)"
             log(f"step {step + 1}/{cfg.steps} loss {out.loss.item():.4f}{patch} {scored}")
         if rank == 0 and held_out and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):

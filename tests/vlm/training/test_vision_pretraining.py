@@ -18,9 +18,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from data_pipelines.make_shards import make_synthetic
-from vision_tower import VisionTower
+from vision_tower import ImageProcessor, VisionTower
 from vlm import ConceptMoEVLM
-from vlm.training.vision_pretraining import VisionPretrainConfig, pretrain_vision
+from vlm.training.vision_pretraining import VisionPretrainConfig, pretrain_vision, region_targets
 
 TOWER = {"vision_embed_dim": 32, "vision_depth": 1, "vision_heads": 2}
 
@@ -100,11 +100,35 @@ def test_pretraining_writes_a_tower_the_vlm_loads_and_counts_what_it_skipped(tmp
     assert torch.equal(load_file(str(out))[next(iter(weights))], weights[next(iter(weights))])
 
 
+def test_region_targets_label_the_patches_whose_centres_lie_in_each_box():
+    from PIL import Image
+
+    batch = ImageProcessor(patch_size=8, max_patches=16, pixel_shuffle=2)([Image.new("RGB", (32, 16))] * 2)
+    # a 2 x 4 grid of 8 px patches: the box x 0-0.5, y 0-1 holds the left four; the box x 0.6-1, y 0.5-1 the
+    # lower two of the right half (centres x 0.625, 0.875; y 0.75)
+    regions = [[([0.0, 0.0, 0.5, 1.0], [7, 9, 3])], [([0.6, 0.5, 1.0, 1.0], [9])]]
+    target_BLK = region_targets(batch, regions, {7: 0, 9: 1})  # id 3 is no label word
+    coord = batch["patch_coord"]
+    for i in range(8):
+        y, x = coord[0, i].tolist()
+        assert target_BLK[0, i].tolist() == ([1.0, 1.0] if x < 2 else [0.0, 0.0])
+        y, x = coord[1, i].tolist()
+        assert target_BLK[1, i].tolist() == ([0.0, 1.0] if x >= 2 and y == 1 else [0.0, 0.0])
+
+
 @pytest.mark.parametrize(
-    ("objective", "label_pairs", "patch_labels"),
-    [("superclass", 0, 0.0), ("multilabel", 0, 0.0), ("multilabel", 2, 0.0), ("multilabel", 0, 1.0)],
+    ("objective", "label_pairs", "patch_labels", "region_labels"),
+    [
+        ("superclass", 0, 0.0, 0.0),
+        ("multilabel", 0, 0.0, 0.0),
+        ("multilabel", 2, 0.0, 0.0),
+        ("multilabel", 0, 1.0, 0.0),
+        ("multilabel", 0, 0.0, 1.0),
+    ],
 )
-def test_caption_word_pretraining_writes_a_tower_the_vlm_loads(tmp_path, objective, label_pairs, patch_labels):
+def test_caption_word_pretraining_writes_a_tower_the_vlm_loads(
+    tmp_path, objective, label_pairs, patch_labels, region_labels
+):
     make_synthetic(["scenes"], str(tmp_path / "shards"), num_samples=24, seed=0, eval_samples=16)
     out = tmp_path / "tower.safetensors"
     cfg = VisionPretrainConfig(
@@ -115,6 +139,7 @@ def test_caption_word_pretraining_writes_a_tower_the_vlm_loads(tmp_path, objecti
         objective=objective,
         label_pairs=label_pairs,
         patch_labels=patch_labels,
+        region_labels=region_labels,
         steps=3,
         batch_size=8,
         warmup=1,
@@ -125,6 +150,7 @@ def test_caption_word_pretraining_writes_a_tower_the_vlm_loads(tmp_path, objecti
     assert record["config"]["objective"] == objective
     assert ("word-pair labels" in lines[0]) == bool(label_pairs), lines[0]
     assert any("patch_loss" in line for line in lines) == bool(patch_labels), lines
+    assert any("region_loss" in line for line in lines) == bool(region_labels), lines
     assert 0.0 <= record["eval"][-1]["eval_r_precision"] <= 1.0 and "retrieval_chance" not in record["eval"][-1]
     model = ConceptMoEVLM.from_preset("tiny-moe", vision_weights=str(out), vision_summary=True, **TOWER)
     own = model.vision_tower.state_dict()  # the timm model's keys under model., and the summary pool's
@@ -143,6 +169,7 @@ def test_pretrain_cli_refuses_bad_settings_in_one_line(tmp_path, capsys):
         (["--label-pairs", "2"], "only with objective multilabel"),
         (["--patch-labels", "1"], "only with objective superclass or multilabel"),
         (["--objective", "multilabel", "--patch-labels", "-1"], "patch_labels must be >= 0"),
+        (["--region-labels", "1"], "region_labels must be >= 0, and > 0 only with objective superclass"),
     ):
         base = ["--shards", str(tmp_path), "--out", str(tmp_path / "t.safetensors")]
         with pytest.raises(SystemExit):
