@@ -17,6 +17,12 @@ With ``binding`` (:func:`probe_binding`), one more attribute, ``colour_of_shape`
 shape one probe that reads the colour of that shape's object (on the scenes holding exactly one of it), as
 "What colour is the square?" asks. A tower that carries the colours present but not which object wears which gives
 a reader at best ``unbound`` = the mean of 1 / (the scene's distinct colours): one of them named at random.
+
+:func:`probe_objects` asks where the attributes sit, object by object in scenes of 2-3 objects: ``object`` is the
+mean and max of the patches whose centres lie in the object's box, ``token`` the features of the one pixel-shuffle
+block holding the patch nearest its centre (its patches concatenated: exactly what one image token of the VLM
+reads). A question about one object among several ("What shape is the red object?") can only be answered by
+attention to tokens that carry both of its attributes, so ``token`` is the ceiling of what such a lookup reads.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from vlm.config import ConceptMoEVLMConfig
 ATTRIBUTES = ("colour", "shape", "position")
 BINDING = "colour_of_shape"  # the attribute of :func:`probe_binding`
 FEATURE_SETS = ("summary", "patches")
+OBJECT_FEATURES = ("object", "token")  # :func:`probe_objects`: one object's patches, one LM token at its centre
 
 
 @dataclass
@@ -196,6 +203,58 @@ def probe_binding(
             unbound += sum(unbound_share(test_scenes[i], "colour") for i in test_idx)
             items += len(y_test)
         scores.append(ProbeScore(features, BINDING, right / items, chance / items, n_train, n_test, unbound / items))
+    return scores
+
+
+@torch.no_grad()
+def object_features(
+    tower: VisionTower, images: list, scenes: list[list[dict]], max_patches: int = 64, pixel_shuffle: int = 2
+) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """(``{"object": [N, 2D], "token": [N, s*s*D]}``, the N objects' metadata) over every object of ``scenes``."""
+    processor = ImageProcessor(tower.patch_size, max_patches, pixel_shuffle)
+    out: dict[str, list[torch.Tensor]] = {name: [] for name in OBJECT_FEATURES}
+    objects = []
+    for i in range(0, len(images), 64):
+        cut = processor(images[i : i + 64])
+        feats = tower(cut["patches"], cut["patch_coord"], cut["patch_valid"])
+        for b, scene in enumerate(scenes[i : i + 64]):
+            valid_L = feats.valid_BL[b]
+            coord_L2, x_LD = feats.coord_BL2[b][valid_L], feats.features_BLD[b][valid_L]
+            (gh, gw), block_L = cut["grid_hw"][b].tolist(), coord_L2 // pixel_shuffle
+            cy_L, cx_L = (coord_L2[:, 0] + 0.5) / gh, (coord_L2[:, 1] + 0.5) / gw
+            for obj in scene:
+                x0, y0, x1, y1 = obj["box"]
+                inside_L = (cx_L >= x0) & (cx_L <= x1) & (cy_L >= y0) & (cy_L <= y1)
+                nearest = int(((cx_L - (x0 + x1) / 2) ** 2 + (cy_L - (y0 + y1) / 2) ** 2).argmin())
+                inside_L[nearest] = True  # an object smaller than a patch still has its nearest patch
+                out["object"].append(torch.cat([x_LD[inside_L].mean(0), x_LD[inside_L].amax(0)]))
+                token_D = torch.zeros(pixel_shuffle**2, x_LD.shape[1])  # a block's missing patches read as zeros
+                in_block = (block_L == block_L[nearest]).all(-1)
+                token_D[(coord_L2[in_block] % pixel_shuffle) @ torch.tensor([pixel_shuffle, 1])] = x_LD[in_block]
+                out["token"].append(token_D.flatten())
+                objects.append(obj)
+    return {name: torch.stack(parts).float() for name, parts in out.items()}, objects
+
+
+def probe_objects(
+    tower: VisionTower, n_train: int = 1500, n_test: int = 400, seed: int = 10, max_patches: int = 64
+) -> list[ProbeScore]:
+    """One :class:`ProbeScore` per :data:`OBJECT_FEATURES` set and attribute (colour, shape): linear probes of each
+    object's own attribute from its own features, over every object of ``n_train`` / ``n_test`` scenes of 2-3
+    objects (:func:`binding_scenes`; train from ``seed``, test from ``seed + 1``)."""
+    (x_train, train_objects), (x_test, test_objects) = (
+        object_features(tower, *binding_scenes(n, scene_seed), max_patches)
+        for n, scene_seed in ((n_train, seed), (n_test, seed + 1))
+    )
+    scores = []
+    for features in OBJECT_FEATURES:
+        for attribute in ("colour", "shape"):
+            y_train = [o[attribute] for o in train_objects]
+            y_test = [o[attribute] for o in test_objects]
+            majority = Counter(y_train).most_common(1)[0][0]
+            accuracy = linear_probe_accuracy(x_train[features], y_train, x_test[features], y_test)
+            chance = sum(y == majority for y in y_test) / len(y_test)
+            scores.append(ProbeScore(features, attribute, accuracy, chance, len(y_train), len(y_test)))
     return scores
 
 

@@ -6,7 +6,9 @@ The tower's architecture is read from the ``.json`` record ``scripts/pretrain_vi
 (``--set FIELD=JSON`` overrides it, e.g. for a file without one). Prints one line per feature set (the summary pool,
 and the mean / max of the patch features) with held-out accuracy and chance per attribute (``eval/tower_probe.py``).
 ``--binding`` adds ``colour_of_shape``: the colour of a named shape among 2-3 objects, next to what a reader of the
-scene's colours that cannot tell which object wears which gets (``unbound``).
+scene's colours that cannot tell which object wears which gets (``unbound``). ``--objects`` adds each object's
+colour and shape among 2-3 objects from its own patches (``object``) and from the one image token at its centre
+(``token``): what a question about one object can read.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from eval.tower_probe import load_tower, probe_binding, probe_tower, scores_json
+from eval.tower_probe import load_tower, probe_binding, probe_objects, probe_tower, scores_json
 from vlm.training.vision_pretraining import TOWER_FIELDS
 
 
@@ -33,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="scene seed (train: seed, test: seed + 1)")
     p.add_argument("--max-patches", type=int, default=64, help="the image budget the VLM reads the tower at")
     p.add_argument("--binding", action="store_true", help="also probe colour_of_shape among 2-3 objects")
+    p.add_argument("--objects", action="store_true", help="also probe each object's colour and shape, per token")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument("--json", help="also write the scores here")
     args = p.parse_args(argv)
@@ -58,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     scores = probe_tower(tower, args.train, args.test, args.seed, args.max_patches)
     if args.binding:
         scores += probe_binding(tower, seed=args.seed + 10, max_patches=args.max_patches)
+    if args.objects:
+        scores += probe_objects(tower, seed=args.seed + 10, max_patches=args.max_patches)
     for features in dict.fromkeys(s.features for s in scores):
         row = [
             f"{s.attribute} {s.accuracy:.3f} (chance {s.chance:.3f}"

@@ -127,3 +127,25 @@ def test_the_binding_probe_tells_bound_features_from_a_bag_of_attributes(monkeyp
         assert score.accuracy > 0.95
     else:
         assert score.accuracy < score.unbound + 0.1
+
+
+class PixelTower(torch.nn.Module):
+    """A stand-in tower whose features are each patch's mean RGB: it carries colour where the colour is, and no
+    shape, so the per-object probe must read colour from the object's own patches (labels aligned) and not shape."""
+
+    patch_size = 16
+
+    def forward(self, patches, patch_coord, patch_valid):
+        from vision_tower.tower import VisionFeatures
+
+        rgb_BL3 = patches.reshape(*patches.shape[:2], -1, 3).mean(2) * patch_valid[..., None]
+        return VisionFeatures(rgb_BL3, patch_valid.bool(), patch_coord.long())
+
+
+def test_the_object_probe_reads_each_objects_colour_from_its_own_patches():
+    scores = {(s.features, s.attribute): s for s in tower_probe.probe_objects(PixelTower(), n_train=300, n_test=150)}
+    assert set(scores) == {(f, a) for f in tower_probe.OBJECT_FEATURES for a in ("colour", "shape")}
+    for features in tower_probe.OBJECT_FEATURES:
+        colour, shape = scores[(features, "colour")], scores[(features, "shape")]
+        assert colour.accuracy > 0.75 and colour.chance < 0.25  # 8 colours: misaligned labels would read ~0.15
+        assert shape.accuracy < colour.accuracy - 0.3
