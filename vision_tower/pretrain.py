@@ -28,6 +28,11 @@ others (a shape, a colour, a position, a count), at any image budget the VLM wil
   nearby informative tokens of a caption ("red" ... "square", "square" ... "left") as labels beside the single
   words. A bag of words cannot tell "a red square and a blue circle" from "a blue square and a red circle"; its
   pairs can, so the summary has to carry which attribute goes with which object (binding).
+- :func:`patch_word_loss` and :func:`region_word_loss`: word detectors on every patch, beside the summary's. The
+  first pools them over the image by noisy-OR (multiple-instance learning on the caption's words, Fang et al. 2015,
+  arXiv 1411.4952); the second labels each patch with the words of the boxed regions it lies in (box-supervised,
+  from grounded captions or this toolkit's scene objects). A VLM reads patches, not the summary, and a question
+  about one object among several can only find the right one if that object's own tokens say what it is.
 
 ``scripts/pretrain_vision.py`` trains it on webdataset image-caption shards and writes the tower's timm state dict
 as ``.safetensors``, which ``ConceptMoEVLMConfig(vision_weights=...)`` loads.
