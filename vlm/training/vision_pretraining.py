@@ -5,11 +5,12 @@ sigmoid loss; scored by held-out retrieval), ``objective="superclass"`` (tower, 
 id; the caption's words are the image's labels, softmax cross-entropy) or ``"multilabel"`` (the same labels, sigmoid
 binary cross-entropy per word); the last two are scored by R-precision of the caption's words, and can train
 word detectors on every patch as well (``patch_labels``: noisy-OR over the patches; ``region_labels``: each patch
-learns the words of the boxed regions it lies in, regions from ``data_pipelines.schema.sample_regions``). This module reads the
-shards, cuts images exactly as the VLM's ``ImageProcessor`` will (same patch size, budget and pixel shuffle), trains
-with AdamW (warmup then cosine), scores the held-out pairs and writes the tower's timm state dict and its summary
-pool (the attention pool every objective reads) as ``.safetensors`` (``ConceptMoEVLMConfig.vision_weights`` loads
-it; ``vision_summary`` keeps the pool) with a ``.json`` record beside it.
+learns the words of the boxed regions it lies in, regions from ``data_pipelines.schema.sample_regions``).
+This module reads the shards, cuts images exactly as the VLM's ``ImageProcessor`` will (same patch size, budget and
+pixel shuffle), trains with AdamW (warmup then cosine), scores the held-out pairs and writes the tower's timm state
+dict and its summary pool (the attention pool every objective reads) as ``.safetensors``
+(``ConceptMoEVLMConfig.vision_weights`` loads it; ``vision_summary`` keeps the pool) with a ``.json`` record beside
+it.
 
 Launched as several processes (``torchrun --standalone --nproc_per_node N``, or any launcher that sets ``RANK`` /
 ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT``), the ranks join a gloo process group and split every global
