@@ -209,13 +209,18 @@ def region_targets(batch: dict, regions: list[list[Region]], word_index: dict[in
     coord_BL2, valid_BL, grid_B2 = batch["patch_coord"], batch["patch_valid"].bool(), batch["grid_hw"]
     target_BLK = torch.zeros(*valid_BL.shape, len(word_index))
     for b, image_regions in enumerate(regions):
-        cy_L = (coord_BL2[b, :, 0].float() + 0.5) / grid_B2[b, 0]
-        cx_L = (coord_BL2[b, :, 1].float() + 0.5) / grid_B2[b, 1]
-        for (x0, y0, x1, y1), ids in image_regions:
-            inside_L = valid_BL[b] & (cx_L >= x0) & (cx_L <= x1) & (cy_L >= y0) & (cy_L <= y1)
-            words = sorted({word_index[t] for t in ids if t in word_index})
-            if words and inside_L.any():
-                target_BLK[b, inside_L.nonzero().flatten()[:, None], torch.tensor(words)[None]] = 1.0
+        if not image_regions:
+            continue
+        box_R4 = torch.tensor([box for box, _ in image_regions])
+        words_RK = torch.zeros(len(image_regions), len(word_index))
+        for r, (_, ids) in enumerate(image_regions):
+            words_RK[r, [word_index[t] for t in ids if t in word_index]] = 1.0
+        cy_L1 = ((coord_BL2[b, :, 0].float() + 0.5) / grid_B2[b, 0])[:, None]
+        cx_L1 = ((coord_BL2[b, :, 1].float() + 0.5) / grid_B2[b, 1])[:, None]
+        inside_LR = (
+            (cx_L1 >= box_R4[:, 0]) & (cx_L1 <= box_R4[:, 2]) & (cy_L1 >= box_R4[:, 1]) & (cy_L1 <= box_R4[:, 3])
+        )
+        target_BLK[b] = ((inside_LR & valid_BL[b, :, None]).float() @ words_RK).clamp(max=1.0)
     return target_BLK
 
 
