@@ -35,7 +35,8 @@ test: venv
 	$(LINT) && $(BIN)/python -m pytest -q tests
 
 # The main job, end to end on CPU: synthetic shards -> stage 0 (the vision tower alone learns the words of
-# one-object scene captions as labels: scripts/pretrain_vision.py --objective multilabel, conv stem, 128 wide) ->
+# one-object scene captions as labels: scripts/pretrain_vision.py --objective multilabel, conv stem, 128 wide; with
+# --region-labels each patch inside the object's box learns its words too) ->
 # stage 1a (the language model and projector, tower frozen, on the colour of one large object: colour first,
 # docs/seeing.md) -> stage 1b (from 1a's export: colour / shape / position questions about one object, large or
 # small: learn to look; every image token also carries the image's summary from stage 0's pool: vision_summary) ->
@@ -64,7 +65,9 @@ TOWER_STEPS ?= 2400
 # The tower's architecture (stage 1a must build the same: stage1_colour.yaml's model.overrides, or STAGE1_SET), e.g.
 # the preset's narrower tower of docs/seeing.md: make demo TOWER_SET="--set 'vision_stem=\"conv\"'"
 # STAGE1_SET="--set model.overrides.vision_embed_dim=64 --set model.overrides.vision_heads=2"
-TOWER_SET ?= --set 'vision_stem="conv"' --set vision_embed_dim=128 --set vision_heads=4
+# --region-labels 1: every patch in an object's box names that object (one-object shape 0.88 / 0.92 over two seeds,
+# against 0.70 / 0.76 without; position 0.48 / 0.44 against 0.58 / 0.60: docs/seeing.md, "region labels").
+TOWER_SET ?= --set 'vision_stem="conv"' --set vision_embed_dim=128 --set vision_heads=4 --region-labels 1
 TOWER_SEED ?= $(SEED)
 # Its captioned scenes: one object of 12-95% of the short side. `make instruct-long` adds as many scenes of 1-3
 # objects, whose captions say which colour goes with which shape: the tower then carries more binding and the longer
