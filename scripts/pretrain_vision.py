@@ -46,28 +46,31 @@ def main(argv=None) -> int:
         help="siglip: sigmoid contrastive loss against a caption encoder; superclass: the caption's words as the "
         "image's class labels, softmax (no text encoder); multilabel: the same labels, one sigmoid per word",
     )
-    p.add_argument(
-        "--label-pairs",
-        type=int,
-        default=d.label_pairs,
-        metavar="WINDOW",
-        help="multilabel: pairs of caption words up to WINDOW informative tokens apart are labels too (binding)",
+    labels = (  # extra labels beside the caption's words: (field, type, metavar, help)
+        (
+            "label_pairs",
+            int,
+            "WINDOW",
+            "multilabel: pairs of caption words up to WINDOW informative tokens apart are labels too (binding)",
+        ),
+        (
+            "patch_labels",
+            float,
+            "WEIGHT",
+            "superclass / multilabel: word detectors on every patch (noisy-OR over the patches), this weight",
+        ),
+        (
+            "region_labels",
+            float,
+            "WEIGHT",
+            "superclass / multilabel: each patch inside a boxed region (meta regions, "
+            "or the scenes' objects) learns that region's words, this weight",
+        ),
     )
-    p.add_argument(
-        "--patch-labels",
-        type=float,
-        default=d.patch_labels,
-        metavar="WEIGHT",
-        help="superclass / multilabel: word detectors on every patch (noisy-OR over the patches), this weight",
-    )
-    p.add_argument(
-        "--region-labels",
-        type=float,
-        default=d.region_labels,
-        metavar="WEIGHT",
-        help="superclass / multilabel: each patch inside a boxed region (meta regions, or the scenes' objects) "
-        "learns that region's words, this weight",
-    )
+    for name, kind, metavar, help_text in labels:
+        p.add_argument(
+            f"--{name.replace('_', '-')}", type=kind, default=getattr(d, name), metavar=metavar, help=help_text
+        )
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
