@@ -65,9 +65,11 @@ TOWER_STEPS ?= 2400
 # The tower's architecture (stage 1a must build the same: stage1_colour.yaml's model.overrides, or STAGE1_SET), e.g.
 # the preset's narrower tower of docs/seeing.md: make demo TOWER_SET="--set 'vision_stem=\"conv\"'"
 # STAGE1_SET="--set model.overrides.vision_embed_dim=64 --set model.overrides.vision_heads=2"
-# --region-labels 1: every patch in an object's box names that object (one-object shape 0.88 / 0.92 over two seeds,
-# against 0.70 / 0.76 without; position 0.48 / 0.44 against 0.58 / 0.60: docs/seeing.md, "region labels").
-TOWER_SET ?= --set 'vision_stem="conv"' --set vision_embed_dim=128 --set vision_heads=4 --region-labels 1
+# REGION_LABELS: stage 0's --region-labels 1, every patch in an object's box names that object (one-object shape
+# 0.88 / 0.92 over two seeds, against 0.70 / 0.76 without; position 0.48 / 0.44 against 0.58 / 0.60: docs/seeing.md,
+# "region labels"; empty: caption words alone).
+TOWER_SET ?= --set 'vision_stem="conv"' --set vision_embed_dim=128 --set vision_heads=4
+REGION_LABELS ?= --region-labels 1
 TOWER_SEED ?= $(SEED)
 # Its captioned scenes: one object of 12-95% of the short side. `make instruct-long` adds as many scenes of 1-3
 # objects, whose captions say which colour goes with which shape: the tower then carries more binding and the longer
@@ -125,7 +127,8 @@ demo: venv demo-shards
 	rm -rf $(DEMO_RUN)
 	$(BIN)/torchrun --standalone --nproc_per_node 2 scripts/pretrain_vision.py --objective multilabel \
 		--shards $(TOWER_SHARDS) --eval-shards $(DEMO_DATA)/vision/eval --steps $(TOWER_STEPS) \
-		--batch-size 32 --eval-every $(TOWER_STEPS) --log-every 100 $(TOWER_SET) --threads 1 --seed $(TOWER_SEED) \
+		--batch-size 32 --eval-every $(TOWER_STEPS) --log-every 100 $(TOWER_SET) $(REGION_LABELS) --threads 1 \
+		--seed $(TOWER_SEED) \
 		--out $(DEMO_RUN)/tower/tower.safetensors
 	$(BIN)/python scripts/probe_tower.py $(DEMO_RUN)/tower/tower.safetensors --threads 2 --binding \
 		--json $(DEMO_RUN)/tower/probe.json
@@ -162,7 +165,9 @@ demo: venv demo-shards
 	@echo "scores:        $(DEMO_RUN)/eval/score_table.md (score, chance, eval-mode R total / text / image)"
 	@echo "concepts:      $(DEMO_RUN)/concepts.png, .html (what the chunker merged in one held-out sample)"
 
-# Its stage 2 also reads 1,000 text-needle haystacks, like those `make needles` trains on.
+# Its stage 2 also reads 1,000 text-needle haystacks, like those `make needles` trains on. Its stage 0 keeps the
+# caption words alone (REGION_LABELS empty), as measured in docs/benchmarks.md: with region labels it is
+# not measured yet.
 instruct-long: venv
 	test -f $(DEMO_DATA)/scenes_chat/train/manifest.json || $(BIN)/python scripts/make_shards.py \
 		--synthetic scenes_chat --out $(DEMO_DATA)/scenes_chat --num-samples 8000 --eval-samples 200 --seed 1
@@ -171,6 +176,7 @@ instruct-long: venv
 	test -f $(DEMO_DATA)/needles_long/train/manifest.json || $(TEXT_NEEDLES) \
 		--out $(DEMO_DATA)/needles_long --num-samples 1000 --eval-samples 100 --seed 8
 	$(MAKE) demo DEMO_RUN=runs/instruct-long STAGE2=scripts/configs/stage2_long.yaml TEXT_STAGE=1 TEXT_STEPS=2500 \
+		REGION_LABELS= \
 		TOWER_SHARDS="$(DEMO_DATA)/vision/train $(DEMO_DATA)/vision_multi/train" \
 		STAGE2_SHARDS=$(STAGE2_SHARDS),$(DEMO_DATA)/scenes_chat/train,$(DEMO_DATA)/needles_long/train
 

@@ -304,6 +304,14 @@ def _quiet(line: str) -> None:
     pass
 
 
+def step_line(step: int, steps: int, model, out, seconds: float) -> str:
+    """The log line of a training step: loss, the patch / region word losses when trained, the batch score."""
+    parts = [(name, getattr(out, name, None)) for name in ("patch_loss", "region_loss")]
+    extra = "".join(f" {name} {value.item():.4f}" for name, value in parts if value is not None)
+    score = f"{model.score_name} {model.batch_score(out):.3f} ({seconds:.0f} s)"
+    return f"step {step}/{steps} loss {out.loss.item():.4f}{extra} {score}"
+
+
 def pretrain_vision(cfg: VisionPretrainConfig, log: Callable[[str], None] = print) -> dict:
     """Train, write ``cfg.out`` and its ``.json`` record, and return the record (every rank returns it; rank 0
     alone logs and writes)."""
@@ -345,16 +353,10 @@ def pretrain_vision(cfg: VisionPretrainConfig, log: Callable[[str], None] = prin
         lr = cfg.lr * min((step + 1) / cfg.warmup, 0.5 * (1 + math.cos(math.pi * step / cfg.steps)))
         out = train_step(model, opt, batch, lr, world)
         if (step + 1) % cfg.log_every == 0 or step == 0:
-            took = time.time() - t0
-            score = model.batch_score(out)
-            parts = [(name, getattr(out, name, None)) for name in ("patch_loss", "region_loss")]
-            patch = "".join(f" {name} {value.item():.4f}" for name, value in parts if value is not None)
-            scored = f"{model.score_name} {score:.3f} ({took:.0f} s)"
-            log(f"step {step + 1}/{cfg.steps} loss {out.loss.item():.4f}{patch} {scored}")
+            log(step_line(step + 1, cfg.steps, model, out, time.time() - t0))
         if rank == 0 and held_out and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
             history.append({"step": step + 1, **evaluate(model, held_out, processor, pad, cfg.batch_size, skipped)})
             log(json.dumps(history[-1]))
-
     record = {
         "tower": fields,
         "config": asdict(cfg),
