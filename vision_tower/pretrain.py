@@ -183,8 +183,10 @@ def patch_word_loss(logits_BLK: torch.Tensor, valid_BL: torch.Tensor, labels_BK:
     ``P_k = 1 - prod_j (1 - sigmoid(x_jk))`` over its valid patches ``j``, trained with binary cross-entropy against
     the caption's 0/1 ``labels_BK``. ``log(1 - P_k) = -sum_j softplus(x_jk)``, so a positive costs
     ``-log(1 - exp(-s_k))`` and a negative ``s_k``, with ``s_k`` that sum: summed over words, averaged over images.
-    One patch firing is enough for a positive and every patch must stay silent for a negative, so each word is
-    carried by the patches of the thing it names: a colour and a shape on the same object's patches (binding)."""
+    One patch firing is enough for a positive and every patch must stay silent for a negative. Meant to put each
+    word on the patches of the thing it names; measured (docs/seeing.md, "region labels"), one patch carries the
+    colour but an object's shape, spread over several patches, ends up on none of them: see
+    :func:`region_word_loss`."""
     s_BK = (F.softplus(logits_BLK.float()) * valid_BL[..., None].float()).sum(1)
     positive_BK = -torch.log(-torch.expm1(-s_BK.clamp(min=1e-6)))
     return torch.where(labels_BK > 0, positive_BK, s_BK).sum() / len(logits_BLK)
