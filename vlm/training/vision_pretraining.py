@@ -273,8 +273,10 @@ def build_pretrainer(
         pairs = (
             dict(pairs=pair_vocabulary(captions, idf_V, label_pairs), pair_window=label_pairs) if label_pairs else {}
         )
-        words = dict(patch_labels=patch_labels, region_labels=region_labels)
-        words = words | dict(patch_words=caption_words(captions, idf_V)) if patch_labels or region_labels else {}
+        words = {}
+        if patch_labels or region_labels:
+            words = dict(patch_labels=patch_labels, region_labels=region_labels)
+            words["patch_words"] = caption_words(captions, idf_V)
         return CaptionClassPretrainer(tower, idf_V, loss=CAPTION_LOSS[objective], **pairs, **words)
     return ContrastivePretrainer(tower, vocab_size, max_caption_tokens=MAX_CAPTION_TOKENS)
 
