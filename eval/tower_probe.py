@@ -38,6 +38,7 @@ import torch
 from data_pipelines.synthetic.scenes import SHAPES, render_scene
 from eval.chance import unbound_share
 from vision_tower import ImageProcessor, VisionTower
+from vision_tower.boxes import patch_centres, patches_in_boxes
 from vlm.config import ConceptMoEVLMConfig
 
 ATTRIBUTES = ("colour", "shape", "position")
@@ -220,12 +221,12 @@ def object_features(
         for b, scene in enumerate(scenes[i : i + 64]):
             valid_L = feats.valid_BL[b]
             coord_L2, x_LD = feats.coord_BL2[b][valid_L], feats.features_BLD[b][valid_L]
-            (gh, gw), block_L = cut["grid_hw"][b].tolist(), coord_L2 // pixel_shuffle
-            cy_L, cx_L = (coord_L2[:, 0] + 0.5) / gh, (coord_L2[:, 1] + 0.5) / gw
+            grid, block_L = cut["grid_hw"][b], coord_L2 // pixel_shuffle
+            centre_L2 = patch_centres(coord_L2, grid)
             for obj in scene:
                 x0, y0, x1, y1 = obj["box"]
-                inside_L = (cx_L >= x0) & (cx_L <= x1) & (cy_L >= y0) & (cy_L <= y1)
-                nearest = int(((cx_L - (x0 + x1) / 2) ** 2 + (cy_L - (y0 + y1) / 2) ** 2).argmin())
+                inside_L = patches_in_boxes(coord_L2, grid, torch.tensor([obj["box"]]))[:, 0]
+                nearest = int((centre_L2 - torch.tensor([(y0 + y1) / 2, (x0 + x1) / 2])).square().sum(-1).argmin())
                 inside_L[nearest] = True  # an object smaller than a patch still has its nearest patch
                 out["object"].append(torch.cat([x_LD[inside_L].mean(0), x_LD[inside_L].amax(0)]))
                 token_D = torch.zeros(pixel_shuffle**2, x_LD.shape[1])  # a block's missing patches read as zeros

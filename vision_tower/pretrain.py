@@ -255,7 +255,8 @@ class CaptionClassPretrainer(nn.Module):
     captions) is a buffer: the same weights for every batch. With ``pairs`` (a :func:`pair_vocabulary` of
     ``pair_window``; sigmoid only) the layer gives one logit more per pair, each a binary label of its own. With
     ``patch_labels`` > 0 a second linear layer scores each of ``patch_words`` (the token ids of the training captions'
-    informative words: :func:`caption_words`) on every patch, and
+    informative words: :func:`caption_words`) on every patch (the tower's :class:`~vision_tower.words.WordHead`, saved
+    with it), and
     :func:`patch_word_loss` times ``patch_labels`` is added: the patch features themselves, not only the summary,
     name what they show. With ``region_labels`` > 0 the same layer is trained on ``region_BLK`` (each patch's words
     from the boxed regions it lies in: :func:`region_word_loss`) with that weight."""
@@ -287,12 +288,14 @@ class CaptionClassPretrainer(nn.Module):
             if weight < 0 or (weight and not len(patch_words)):
                 raise ValueError(f"{name} must be >= 0, and > 0 only with patch_words, got {weight}")
         self.patch_labels, self.region_labels = patch_labels, region_labels
-        if patch_labels or region_labels:
-            self.register_buffer(
-                "word_ids_K", torch.tensor(sorted(set(patch_words)), dtype=torch.long), persistent=False
-            )
-            self.patch_head = nn.Linear(tower.out_dim, len(self.word_ids_K))
-            nn.init.constant_(self.patch_head.bias, -math.log(PATCH_PRIOR_ODDS))
+        if patch_labels or region_labels:  # the tower's own word head: the tower file keeps it (vision_words)
+            self.patch_head = tower.add_word_head(sorted(set(patch_words)))
+            nn.init.constant_(self.patch_head.linear.bias, -math.log(PATCH_PRIOR_ODDS))
+
+    @property
+    def word_ids_K(self) -> torch.Tensor:
+        """The token ids the patch word head scores, sorted."""
+        return self.patch_head.ids_K
 
     def forward(self, patches, patch_coord, patch_valid, ids_BT, mask_BT, region_BLK=None) -> CaptionClassOutput:
         feats = self.tower(patches, patch_coord, patch_valid)

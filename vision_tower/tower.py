@@ -19,6 +19,7 @@ from torch import nn
 
 from vision_tower.pool import AttentionPool
 from vision_tower.stem import STEMS, PatchConvStem
+from vision_tower.words import WORD_PREFIX, WordHead
 
 logger = logging.getLogger(__name__)
 
@@ -77,10 +78,11 @@ def load_timm_weights(model: nn.Module, path: str | Path, state: dict[str, torch
     raises one ValueError listing every difference.
 
     Accepted key layouts: the timm model's own, or a ``VisionTower``'s (``model.`` prefix). A timm classifier
-    (``head.*``) and the tower's summary pool (``summary_pool.*``) are not the timm model's and are dropped here.
+    (``head.*``), the tower's summary pool (``summary_pool.*``) and word head (``word_head.*``) are not the timm
+    model's and are dropped here.
     """
     state = load_state_dict_file(path) if state is None else state
-    state = {k: v for k, v in state.items() if not k.startswith(SUMMARY_PREFIX)}
+    state = {k: v for k, v in state.items() if not k.startswith((SUMMARY_PREFIX, WORD_PREFIX))}
     if state and all(k.startswith("model.") for k in state):
         state = {k[len("model.") :]: v for k, v in state.items()}
     state = {k: v for k, v in state.items() if not k.startswith("head.")}
@@ -116,7 +118,9 @@ class VisionTower(nn.Module):
     convolutions inside each patch; its weights are part of the tower's state dict). ``summary=True`` adds
     ``summary_pool`` (:class:`~vision_tower.pool.AttentionPool`), read by :meth:`summarize`: one vector per image,
     loaded from ``weights`` with the rest (its ``summary_pool.*`` keys, as ``scripts/pretrain_vision.py`` writes
-    them). Extra keyword arguments go to ``timm.create_model`` unchanged.
+    them). ``words``: ``0`` (none), the number of words of a :class:`~vision_tower.words.WordHead` (its detectors,
+    read from ``weights``' ``word_head.*`` keys when given), or ``True``: as many as ``weights`` holds. Extra keyword
+    arguments go to ``timm.create_model`` unchanged.
     """
 
     def __init__(
@@ -131,6 +135,7 @@ class VisionTower(nn.Module):
         pretrained: bool = False,
         stem: str = "linear",
         summary: bool = False,
+        words: bool | int = 0,
         **timm_kwargs,
     ):
         super().__init__()
@@ -162,23 +167,43 @@ class VisionTower(nn.Module):
         if stem == "conv":  # NaFlexEmbeds applies ``proj`` to the [B, N, p*p*3] patches
             self.model.embeds.proj = PatchConvStem(self.patch_size, self.out_dim)
         self.summary_pool = AttentionPool(self.out_dim) if summary else None
+        state = None if weights is None else load_state_dict_file(weights)
+        self.word_head = None
+        if words:
+            count = int(words)
+            if words is True:  # as many as the weights file names
+                count = len(state.get(WORD_PREFIX + "ids_K", ())) if state is not None else 0
+            if count < 1:
+                raise ValueError(
+                    f"VisionTower: words={words!r} needs a word count, or a weights file with {WORD_PREFIX}* keys "
+                    "(scripts/pretrain_vision.py --region-labels / --patch-labels writes them)"
+                )
+            self.add_word_head([0] * count)  # the ids come with the weights
         if weights is not None:
-            self._load(weights)
+            self._load(weights, state)
 
-    def _load(self, path: str | Path) -> None:
-        state = load_state_dict_file(path)
+    def add_word_head(self, word_ids) -> WordHead:
+        """Give the tower a :class:`~vision_tower.words.WordHead` over ``word_ids`` (stage 0 trains it)."""
+        self.word_head = WordHead(self.out_dim, word_ids)
+        return self.word_head
+
+    def _load(self, path: str | Path, state: dict[str, torch.Tensor]) -> None:
         load_timm_weights(self.model, path, state)
-        if self.summary_pool is None:
-            return
-        pool_state = {k[len(SUMMARY_PREFIX) :]: v for k, v in state.items() if k.startswith(SUMMARY_PREFIX)}
-        own = self.summary_pool.state_dict()
-        if set(pool_state) != set(own) or any(pool_state[k].shape != own[k].shape for k in own):
+        if self.word_head is not None:
+            self._load_part(self.word_head, WORD_PREFIX, state, path, "words=True", "word head")
+        if self.summary_pool is not None:
+            self._load_part(self.summary_pool, SUMMARY_PREFIX, state, path, "summary=True", "summary pool")
+
+    def _load_part(self, part: nn.Module, prefix: str, state: dict, path, option: str, what: str) -> None:
+        part_state = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+        own = part.state_dict()
+        if set(part_state) != set(own) or any(part_state[k].shape != own[k].shape for k in own):
             raise ValueError(
-                f"VisionTower: summary=True needs the summary pool's weights in {str(path)!r} ({SUMMARY_PREFIX}* keys "
-                f"of a {self.out_dim}-wide pool, as scripts/pretrain_vision.py writes them); found "
-                f"{len(pool_state)} {SUMMARY_PREFIX}* tensors that do not fit"
+                f"VisionTower: {option} needs the {what}'s weights in {str(path)!r} ({prefix}* keys "
+                f"of a {self.out_dim}-wide {what}, as scripts/pretrain_vision.py writes them); found "
+                f"{len(part_state)} {prefix}* tensors that do not fit"
             )
-        self.summary_pool.load_state_dict(pool_state, strict=True)
+        part.load_state_dict(part_state, strict=True)
 
     @property
     def out_dim(self) -> int:
@@ -193,6 +218,20 @@ class VisionTower(nn.Module):
     def summarize(self, feats: VisionFeatures) -> torch.Tensor:
         """[B, D]: each image's summary, the summary pool's attention over its valid patch features."""
         return self.require_summary_pool().summary_pool(feats.features_BLD, feats.valid_BL)
+
+    def require_word_head(self) -> WordHead:
+        """The tower's word head, or a ValueError when it has none."""
+        if self.word_head is None:
+            raise ValueError(
+                "VisionTower: this needs the tower's word head: build it with words=True and a tower file trained "
+                "with scripts/pretrain_vision.py --region-labels (or --patch-labels)"
+            )
+        return self.word_head
+
+    def word_probs(self, feats: VisionFeatures) -> torch.Tensor:
+        """[B, L, K]: each patch's probability of every word of the word head; zero on padding."""
+        probs_BLK = torch.sigmoid(self.require_word_head()(feats.features_BLD).float())
+        return probs_BLK * feats.valid_BL[..., None]
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.model.set_grad_checkpointing(enable)

@@ -54,6 +54,16 @@ VLM_RULES: tuple[Rule, ...] = (
         ),
         "'conv' needs a naflexvit vision_model, no vision_pretrained and a patch_size divisible by 4",
     ),
+    field_rule("vision_words", lambda v: isinstance(v, bool), "must be true or false"),
+    field_rule(
+        "vision_word_count", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "must be an int >= 0"
+    ),
+    Rule(
+        "vision_words",
+        lambda c: not c.vision_words or bool(c.vision_weights) or c.vision_word_count > 0,
+        "needs vision_weights: a tower file with a word head (scripts/pretrain_vision.py --region-labels or "
+        "--patch-labels writes one)",
+    ),
 )
 
 # Vision towers per preset: random-init NaFlexViTs small enough for CPU tests and demos.
@@ -73,7 +83,10 @@ class ConceptMoEVLMConfig(PretrainedConfig):
     image tokens are scanned and chunked (``raster``, the paper's, or a 2-D aware choice: ``rows``, ``snake``,
     ``zorder``, ``router2d``; see ``vlm.image_scan``). ``vision_summary`` gives the tower its summary pool
     (``VisionTower(summary=True)``) and the projector reads each image token's features together with its image's
-    summary, so an answer can read the whole image from any of its tokens (``docs/seeing.md``).
+    summary, so an answer can read the whole image from any of its tokens (``docs/seeing.md``). ``vision_words``
+    loads the tower's word head from ``vision_weights`` (``vision_word_count`` records its size, so a saved model
+    rebuilds it) and adds to each image token the language model's embeddings of the words its patches detect
+    (``vision_tower.words``).
     """
 
     model_type = "conceptmoe_vlm"
@@ -92,6 +105,8 @@ class ConceptMoEVLMConfig(PretrainedConfig):
         vision_weights: str | None = None,
         vision_pretrained: bool = False,
         vision_summary: bool = False,
+        vision_words: bool = False,
+        vision_word_count: int = 0,
         pixel_shuffle: int = 2,
         max_patches: int = 256,
         projector_hidden: int | None = None,
@@ -123,6 +138,7 @@ class ConceptMoEVLMConfig(PretrainedConfig):
         self.vision_weights = vision_weights
         self.vision_pretrained = vision_pretrained
         self.vision_summary = vision_summary
+        self.vision_words, self.vision_word_count = vision_words, vision_word_count
         self.pixel_shuffle = pixel_shuffle
         self.max_patches = max_patches
         self.projector_hidden = projector_hidden
@@ -149,6 +165,7 @@ class ConceptMoEVLMConfig(PretrainedConfig):
             pos_embed=self.vision_pos_embed,
             stem=self.vision_stem,
             summary=self.vision_summary,
+            words=self.vision_word_count or self.vision_words,
         )
 
     def validate_fields(self) -> None:

@@ -20,6 +20,7 @@ from transformers import initialization as init
 
 from data_pipelines.schema import Modality
 from vision_tower import Projector, VisionTower, pixel_shuffle_merge
+from vision_tower.words import word_embeddings
 from vlm.backbone.config import rename_legacy_fields
 from vlm.backbone.decoding import ConceptMoEGenerationMixin
 from vlm.backbone.model import ConceptMoEForCausalLM
@@ -65,6 +66,8 @@ class ConceptMoEVLM(HubCodeMixin, PreTrainedModel, ConceptMoEGenerationMixin):
         )
         for module in self.vision_tower.modules():  # timm initialised (or loaded) it: never re-init
             module._is_hf_initialized = True
+        if config.vision_words:  # its size, so that a saved model rebuilds the head without the tower file
+            config.vision_word_count = self.vision_tower.require_word_head().num_words
         if config.vision_weights or config.vision_pretrained:
             # the weights now live in this model: a saved checkpoint must not re-read (or re-download) them
             config.vision_init_source = config.vision_weights or f"timm:{config.vision_model}"
@@ -174,7 +177,8 @@ class ConceptMoEVLM(HubCodeMixin, PreTrainedModel, ConceptMoEGenerationMixin):
     def image_embeddings(self, patches, patch_coord, patch_valid, grid_hw) -> torch.Tensor:
         """[sum of num_tokens over the images, d_model], images in batch order, tokens row-major. With
         ``vision_summary`` each merged token is joined by its image's summary (``VisionTower.summarize``) before
-        the projector."""
+        the projector; with ``vision_words`` the language model's embeddings of the words the token's patches detect
+        are added after it (``vision_tower.words.word_embeddings``)."""
         feats = self.vision_tower(patches, patch_coord, patch_valid)
         m = self.config.pixel_shuffle
         tokens_TD = pixel_shuffle_merge(feats.features_BLD, feats.coord_BL2, feats.valid_BL, grid_hw, m)
@@ -182,7 +186,14 @@ class ConceptMoEVLM(HubCodeMixin, PreTrainedModel, ConceptMoEGenerationMixin):
             per_image_B = (grid_hw.to(tokens_TD.device).long().view(-1, 2) // m).prod(-1)  # as the merge counts them
             summary_TD = self.vision_tower.summarize(feats).repeat_interleave(per_image_B, dim=0)
             tokens_TD = torch.cat([tokens_TD, summary_TD.to(tokens_TD.dtype)], dim=-1)
-        return self.projector(tokens_TD)
+        image_TD = self.projector(tokens_TD)
+        if self.config.vision_words:
+            probs_BLK = self.vision_tower.word_probs(feats)
+            probs_TlK = pixel_shuffle_merge(probs_BLK, feats.coord_BL2, feats.valid_BL, grid_hw, m)
+            head = self.vision_tower.word_head
+            embedding_VE = self.get_input_embeddings().weight
+            image_TD = image_TD + word_embeddings(probs_TlK.view(len(image_TD), m * m, -1), head.ids_K, embedding_VE)
+        return image_TD
 
     def idle_image_pass(self, like: torch.Tensor) -> torch.Tensor:
         """The tower and projector on one blank merge block: a text-only training batch still uses (and gives a

@@ -8,10 +8,11 @@ import random
 import pytest
 import torch
 from PIL import Image
+from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForImageTextToText
 
 from data_pipelines.synthetic_images import captioned_image
-from vision_tower import ImageProcessor
+from vision_tower import ImageProcessor, VisionTower
 from vlm import ConceptMoEForCausalLM, ConceptMoEVLM, ConceptMoEVLMConfig, VLMProcessor
 
 
@@ -180,6 +181,39 @@ def test_vision_summary_hands_each_image_token_its_own_images_summary(processor,
         changed_T = (inputs[0] - inputs[1]).abs().amax(-1) > 1e-6
     assert not changed_T[n0:].any()
     assert bool(changed_T[:n0].all()) == summary and changed_T[0]
+
+
+def test_vision_words_add_the_embeddings_of_the_words_the_patches_detect(tmp_path, processor):
+    """Every image token gains sum_k p_k E[ids_k] (p from the tower's word head), the gradient reaches those
+    embedding rows, and a saved model rebuilds the head without the tower file."""
+    torch.manual_seed(0)
+    tower = VisionTower(**ConceptMoEVLMConfig.from_preset("tiny").tower_kwargs())
+    head = tower.add_word_head([10, 20, 30])
+    with torch.no_grad():
+        head.linear.weight.zero_()
+        head.linear.bias.copy_(torch.tensor([-10.0, 10.0, -10.0]))  # every patch says word 20
+    path = tmp_path / "tower.safetensors"
+    save_file({k: v.contiguous() for k, v in tower.state_dict().items()}, str(path))
+    model = make_vlm(processor, vision_weights=str(path), vision_words=True).eval()
+    plain = make_vlm(processor, vision_weights=str(path)).eval()
+    plain.load_state_dict(model.state_dict(), strict=False)  # the same weights but the word head
+    assert model.config.vision_word_count == 3 and model.config.vision_weights is None
+    inputs = {k: v for k, v in processor.image_processor(images(2)).items() if k != "num_tokens"}
+    added_TE = model.image_embeddings(**inputs) - plain.image_embeddings(**inputs)
+    table_VE = model.get_input_embeddings().weight
+    s = torch.sigmoid(torch.tensor(10.0))
+    expected_E = s * table_VE[20] + (1 - s) * (table_VE[10] + table_VE[30])
+    torch.testing.assert_close(added_TE, expected_E.expand_as(added_TE).detach(), atol=1e-5, rtol=1e-4)
+    added_TE.sum().backward()
+    assert table_VE.grad[[10, 20, 30]].abs().sum() > 0 and table_VE.grad[11].abs().sum() == 0
+    model.save_pretrained(tmp_path / "hf")
+    loaded = AutoModelForImageTextToText.from_pretrained(tmp_path / "hf").eval()
+    assert loaded.config.vision_words and loaded.vision_tower.word_head.ids_K.tolist() == [10, 20, 30]
+    batch = processor(text=["<image> a yellow square"], images=[images(1)])
+    with torch.no_grad():
+        assert torch.equal(model(**batch).logits, loaded(**batch).logits)
+    with pytest.raises(ValueError, match="vision_words=True is invalid: needs vision_weights"):
+        make_vlm(processor, vision_words=True)
 
 
 def test_init_from_text_checkpoint_and_freezing(tmp_path, processor):

@@ -45,6 +45,7 @@ from data_pipelines.schema import SkipSample, decode_sample, open_image, sample_
 from data_pipelines.tar_reader import TruncatedTar, expand_shards, read_tar_groups, skip_marked
 from data_pipelines.tokenizer import load_tokenizer, pad_id
 from vision_tower import ImageProcessor, VisionTower
+from vision_tower.boxes import patches_in_boxes
 from vision_tower.pretrain import (
     CaptionClassPretrainer,
     ContrastivePretrainer,
@@ -53,6 +54,7 @@ from vision_tower.pretrain import (
     pair_vocabulary,
 )
 from vision_tower.tower import SUMMARY_PREFIX
+from vision_tower.words import WORD_PREFIX
 from vlm.config import VISION_PRESETS, ConceptMoEVLMConfig
 
 TOWER_FIELDS = (
@@ -177,9 +179,12 @@ def summed_counts(counts: Counter, world: int) -> Counter:
     return sum((Counter(c) for c in gathered), Counter())
 
 
-def read_pairs(shards, tokenizer, max_tokens: int, skipped: Counter, warn: Callable[[str], None] = print) -> list[Pair]:
+def read_pairs(
+    shards, tokenizer, max_tokens: int, skipped: Counter, warn: Callable[[str], None] = print, with_regions: bool = True
+) -> list[Pair]:
     """(image bytes, caption ids, boxed regions with their text's ids: ``sample_regions``) for every usable sample of
-    ``shards``; the rest counted in ``skipped`` by kind."""
+    ``shards``; the rest counted in ``skipped`` by kind. ``with_regions=False`` leaves the regions empty (their
+    phrases are not tokenized: only region labels read them)."""
     pairs = []
     for path in expand_shards(shards):
         try:
@@ -195,7 +200,8 @@ def read_pairs(shards, tokenizer, max_tokens: int, skipped: Counter, warn: Calla
                 except SkipSample as err:
                     skipped[err.kind] += 1
                     continue
-                regions = [(box, tokenizer(phrase)["input_ids"]) for box, phrase in sample_regions(sample.meta)]
+                boxed = sample_regions(sample.meta) if with_regions else []
+                regions = [(box, tokenizer(phrase)["input_ids"]) for box, phrase in boxed]
                 pairs.append((images[0], tokenizer(text)["input_ids"][:max_tokens], regions))
         except TruncatedTar as err:
             skipped["truncated_tar"] += 1
@@ -215,11 +221,7 @@ def region_targets(batch: dict, regions: list[list[Region]], word_index: dict[in
         words_RK = torch.zeros(len(image_regions), len(word_index))
         for r, (_, ids) in enumerate(image_regions):
             words_RK[r, [word_index[t] for t in ids if t in word_index]] = 1.0
-        cy_L1 = ((coord_BL2[b, :, 0].float() + 0.5) / grid_B2[b, 0])[:, None]
-        cx_L1 = ((coord_BL2[b, :, 1].float() + 0.5) / grid_B2[b, 1])[:, None]
-        inside_LR = (
-            (cx_L1 >= box_R4[:, 0]) & (cx_L1 <= box_R4[:, 2]) & (cy_L1 >= box_R4[:, 1]) & (cy_L1 <= box_R4[:, 3])
-        )
+        inside_LR = patches_in_boxes(coord_BL2[b], grid_B2[b], box_R4)
         target_BLK[b] = ((inside_LR & valid_BL[b, :, None]).float() @ words_RK).clamp(max=1.0)
     return target_BLK
 
@@ -314,6 +316,18 @@ def step_line(step: int, steps: int, model, out, seconds: float) -> str:
     return f"step {step}/{steps} loss {out.loss.item():.4f}{extra} {score}"
 
 
+def read_train_and_held_out(cfg: VisionPretrainConfig, tokenizer, skipped: Counter, log) -> tuple[list, list]:
+    """The training and held-out pairs of ``cfg``'s shards (regions read only for region labels)."""
+    regions = bool(cfg.region_labels)
+    train = read_pairs(cfg.shards, tokenizer, MAX_CAPTION_TOKENS, skipped, log, regions)
+    held_out = (
+        [] if not cfg.eval_shards else read_pairs(cfg.eval_shards, tokenizer, MAX_CAPTION_TOKENS, skipped, log, regions)
+    )
+    if len(train) < cfg.batch_size:
+        raise ValueError(f"{len(train)} image-caption pairs in the shards, fewer than batch_size {cfg.batch_size}")
+    return train, held_out
+
+
 def pretrain_vision(cfg: VisionPretrainConfig, log: Callable[[str], None] = print) -> dict:
     """Train, write ``cfg.out`` and its ``.json`` record, and return the record (every rank returns it; rank 0
     alone logs and writes)."""
@@ -326,14 +340,11 @@ def pretrain_vision(cfg: VisionPretrainConfig, log: Callable[[str], None] = prin
     rng = random.Random(cfg.seed)
     tower_config = cfg.tower_config()
     fields = {name: getattr(tower_config, name) for name in TOWER_FIELDS}
-    tower = VisionTower(**{**tower_config.tower_kwargs(), "summary": True})  # the pool the objectives read
+    tower = VisionTower(**{**tower_config.tower_kwargs(), "summary": True, "words": 0})  # the pool they read
     tokenizer = load_tokenizer()
     processor = ImageProcessor(tower.patch_size, cfg.max_patches, cfg.pixel_shuffle)
     pad, skipped = pad_id(tokenizer), Counter()
-    train = read_pairs(cfg.shards, tokenizer, MAX_CAPTION_TOKENS, skipped, log)
-    held_out = read_pairs(cfg.eval_shards, tokenizer, MAX_CAPTION_TOKENS, skipped, log) if cfg.eval_shards else []
-    if len(train) < cfg.batch_size:
-        raise ValueError(f"{len(train)} image-caption pairs in the shards, fewer than batch_size {cfg.batch_size}")
+    train, held_out = read_train_and_held_out(cfg, tokenizer, skipped, log)
     model = build_pretrainer(
         cfg.objective, tower, train, len(tokenizer), cfg.label_pairs, cfg.patch_labels, cfg.region_labels
     )
@@ -357,7 +368,9 @@ def pretrain_vision(cfg: VisionPretrainConfig, log: Callable[[str], None] = prin
         if (step + 1) % cfg.log_every == 0 or step == 0:
             log(step_line(step + 1, cfg.steps, model, out, time.time() - t0))
         if rank == 0 and held_out and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
-            history.append({"step": step + 1, **evaluate(model, held_out, processor, pad, cfg.batch_size, skipped)})
+            history.append(
+                {"step": step + 1, **evaluate(model, held_out, processor, pad, cfg.batch_size, skipped, word_index)}
+            )
             log(json.dumps(history[-1]))
     record = {
         "tower": fields,
@@ -377,28 +390,33 @@ def pretrain_vision(cfg: VisionPretrainConfig, log: Callable[[str], None] = prin
 
 
 def write_tower(out_path: Path, tower: VisionTower, record: dict) -> None:
-    """The tower's weights (timm's keys, and its summary pool's under ``summary_pool.``) as ``out_path``
+    """The tower's weights (timm's keys, its summary pool's under ``summary_pool.``, its word head's, if stage 0
+    trained one, under ``word_head.``) as ``out_path``
     (safetensors; written aside, then renamed: a crash never leaves a cut file there) and ``record`` beside it as
     ``.json``."""
     out_path.parent.mkdir(parents=True, exist_ok=True)
     partial = out_path.with_name(out_path.name + ".partial")
     state = dict(tower.model.state_dict())
     state.update({SUMMARY_PREFIX + k: v for k, v in tower.require_summary_pool().summary_pool.state_dict().items()})
+    if tower.word_head is not None:
+        state.update({WORD_PREFIX + k: v for k, v in tower.word_head.state_dict().items()})
     save_file({k: v.detach().contiguous() for k, v in state.items()}, str(partial))
     partial.replace(out_path)
     out_path.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
 
 
 @torch.no_grad()
-def evaluate(model, held_out: list[Pair], processor, pad: int, batch_size: int, skipped: Counter) -> dict:
+def evaluate(
+    model, held_out: list[Pair], processor, pad: int, batch_size: int, skipped: Counter, word_index: dict | None = None
+) -> dict:
     """Held-out loss and the model's batch score (SigLIP: own caption ranked first among the batch's, chance
     1 / batch_size; the caption-word objectives: R-precision of the caption's words) over the held-out pairs'
-    full batches."""
+    full batches; with ``word_index`` (region labels) the loss holds the region loss too, also reported alone."""
     was_training = model.training
     model.eval()
     outs = []
     for i in range(0, len(held_out) - batch_size + 1, batch_size):
-        batch = make_batch(held_out[i : i + batch_size], processor, pad, skipped)
+        batch = make_batch(held_out[i : i + batch_size], processor, pad, skipped, word_index)
         if batch is not None:
             outs.append(forward(model, batch))
     model.train(was_training)
@@ -408,6 +426,8 @@ def evaluate(model, held_out: list[Pair], processor, pad: int, batch_size: int, 
         "eval_loss": sum(o.loss.item() for o in outs) / len(outs),
         f"eval_{model.score_name}": sum(model.batch_score(o) for o in outs) / len(outs),
     }
+    if all(getattr(o, "region_loss", None) is not None for o in outs):
+        scores["eval_region_loss"] = sum(o.region_loss.item() for o in outs) / len(outs)
     if model.score_name == "retrieval":
         scores["retrieval_chance"] = 1 / batch_size  # the own caption among the batch's
     return scores

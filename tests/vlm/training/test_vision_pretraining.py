@@ -152,10 +152,16 @@ def test_caption_word_pretraining_writes_a_tower_the_vlm_loads(
     assert any("patch_loss" in line for line in lines) == bool(patch_labels), lines
     assert any("region_loss" in line for line in lines) == bool(region_labels), lines
     assert 0.0 <= record["eval"][-1]["eval_r_precision"] <= 1.0 and "retrieval_chance" not in record["eval"][-1]
-    model = ConceptMoEVLM.from_preset("tiny-moe", vision_weights=str(out), vision_summary=True, **TOWER)
-    own = model.vision_tower.state_dict()  # the timm model's keys under model., and the summary pool's
+    assert ("eval_region_loss" in record["eval"][-1]) == bool(region_labels)  # held out with its region targets
+    words = bool(patch_labels or region_labels)  # the patch word head is the tower's and travels with it
+    model = ConceptMoEVLM.from_preset(
+        "tiny-moe", vision_weights=str(out), vision_summary=True, vision_words=words, **TOWER
+    )
+    own = model.vision_tower.state_dict()  # the timm model's keys under model., the summary pool's, the word head's
     weights = load_file(str(out))
-    assert all(torch.equal(own[k if k.startswith("summary_pool.") else "model." + k], v) for k, v in weights.items())
+    assert any(k.startswith("word_head.") for k in weights) == words
+    kept = ("summary_pool.", "word_head.")
+    assert all(torch.equal(own[k if k.startswith(kept) else "model." + k], v) for k, v in weights.items())
 
 
 def test_pretrain_cli_refuses_bad_settings_in_one_line(tmp_path, capsys):
