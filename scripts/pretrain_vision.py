@@ -9,7 +9,9 @@ image + caption pairs). The tower is the VLM preset's (``--preset``; ``--set FIE
 ``vision_depth``, ``vision_heads``, ``vision_model``, ``patch_size``, ``vision_pos_embed``) and sees images exactly
 as the VLM's processor cuts them (``--max-patches``, ``--pixel-shuffle``). The output is the tower's timm state dict
 (``.safetensors``) with a ``.json`` record beside it (settings, skips, held-out loss and retrieval); train the VLM
-from it with ``--set model.overrides.vision_weights=PATH`` or the run YAML's ``model.overrides``. An existing
+from it with ``--set model.overrides.vision_weights=PATH`` or the run YAML's ``model.overrides``. With
+``--region-labels`` or ``--patch-labels`` the file also holds the tower's patch word detectors (``word_head.*``),
+which ``vision_words: true`` turns into word embeddings on every image token. An existing
 ``--out`` is refused before training unless ``--overwrite``; the file is written whole or not at all. The logic is
 ``vlm.training.vision_pretraining``; docs/seeing.md measures what it buys.
 
