@@ -9,7 +9,9 @@
 TYPES, comma-separated: the question types trained in that stage, default all of ``--types``; all are scored).
 Prints one JSON line per evaluation (accuracy and chance per question type, eval-mode R per modality) and, with
 ``--out``, appends them there. ``--copy-steps N`` first trains the language model alone on N steps of copy rows
-(``vlm.training.copy_probe``; printed as ``{"copy": ...}`` lines), what a needle answer needs. The rows of
+(``vlm.training.copy_probe``; printed as ``{"copy": ...}`` lines), what a needle answer needs. ``--scene-input``
+``true_words`` gives the image tokens their objects' true words (a perfect word head), ``text`` writes the scene
+out in place of its image: the same question on perfect tokens, or as reading comprehension. The rows of
 docs/seeing.md come from this command; the logic is ``vlm.training.probe``.
 """
 
@@ -83,6 +85,12 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--turns", default=defaults.turns, help="training: 'one' question per conversation, or 'all' of a scene's"
     )
+    parser.add_argument(
+        "--scene-input",
+        default=defaults.scene_input,
+        help="what a scene question shows: 'image', 'true_words' (the image, its tokens' words the ground truth; "
+        "needs --set vision_words=true) or 'text' (its objects written out in place of the image)",
+    )
     parser.add_argument("--out", type=Path, help="append the JSON lines to this file")
     args = parser.parse_args(argv)
     try:
@@ -101,6 +109,7 @@ def main(argv=None) -> int:
         copy_steps=args.copy_steps,
         caption_share=args.caption_share,
         turns=args.turns,
+        scene_input=args.scene_input,
         needle_units=args.needle_units,
         needle_modalities=tuple(m.strip() for m in args.needle_modalities.split(",") if m.strip()),
         needle_answer=args.needle_answer,

@@ -14,8 +14,10 @@ Each sample is a conversation (``Sample.turns``, empty ``segments``): a user tur
 ``<image>`` into text segments and the base sample's images in order, then an assistant turn with the answer
 exactly as the base ``qa`` item gives it. ``meta``: ``kind`` (the kind above), ``task`` (sceneqa / refloc /
 longdoc / niah), ``type`` (the qa type), ``source`` (the base sample's key), ``index`` (the base sample's index),
-``question``, ``objects`` (the scene's number of objects) for sceneqa and refloc, and ``expression`` for refloc;
-``qa``: the one item asked.
+``question``, ``objects`` (the scene's number of objects) and ``regions`` (the image's objects as grounded phrases,
+``[{"box": [x0, y0, x1, y1], "text": "small red square top left"}]``, the schema's field that
+``data_pipelines.schema.sample_regions`` reads) for sceneqa and refloc, and ``expression`` for refloc; ``qa``: the
+one item asked.
 
 Sample ``j`` of ``generate(n, seed, split)`` is the ``j``-th conversation of the base stream
 ``<base>.generate(..., seed, split)``, so it depends only on (kind, seed, split, j) and the first ``k`` of
@@ -34,7 +36,7 @@ import sys
 from collections.abc import Callable, Iterator
 
 from data_pipelines import prompts
-from data_pipelines.schema import Sample, Segment, Turn
+from data_pipelines.schema import Sample, Segment, Turn, sample_regions
 from data_pipelines.synthetic import copying, documents, needles, scenes
 from data_pipelines.synthetic._common import check_split, sample_key, sample_rng
 
@@ -46,10 +48,11 @@ def scene_items(base: Sample, seed: int, split: str, index: int) -> list[Item]:
     """The conversations of one scene: sceneqa for the count / colour / shape / position items, refloc for the box
     item (its expression drawn from the stream of (``scenes_chat``, seed, split, index))."""
     objects = base.meta["objects"]
+    regions = [{"box": box, "text": text} for box, text in sample_regions(base.meta)]
     out = []
     for qa in base.qa:
         if qa["type"] in prompts.SCENEQA_TYPES:
-            meta = {"task": "sceneqa", "question": qa["q"], "objects": len(objects)}
+            meta = {"task": "sceneqa", "question": qa["q"], "objects": len(objects), "regions": regions}
             out.append((prompts.sceneqa(qa["q"]), qa["a"], dict(qa), meta))
         elif qa["type"] == "box":
             target = next(o for o in objects if o["box"] == qa["box"])
@@ -63,6 +66,7 @@ def scene_items(base: Sample, seed: int, split: str, index: int) -> list[Item]:
                 "expression": expression,
                 "expression_kind": how,
                 "objects": len(objects),
+                "regions": regions,
             }
             out.append((prompts.refloc(expression), qa["a"], item, meta))
     return out

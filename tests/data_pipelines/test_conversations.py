@@ -69,6 +69,11 @@ def test_scenes_chat_covers_every_qa_item_of_a_scene():
     assert [s.qa[0]["type"] for s in samples] == [qa["type"] for qa in base.qa]
     assert {s.meta["task"] for s in samples} == {"sceneqa", "refloc"}
     assert all(s.key.startswith("scenes_chat-eval-s3-0000000-") for s in samples)
+    for sample in samples:  # the image's objects as grounded phrases, the field region labels read
+        regions = sample.meta["regions"]
+        assert [r["box"] for r in regions] == [o["box"] for o in base.meta["objects"]]
+        for region, obj in zip(regions, base.meta["objects"], strict=True):
+            assert region["text"].split() == " ".join(obj[k] for k in ("size", "colour", "shape", "position")).split()
 
 
 @pytest.mark.parametrize("kind", CHAT_KINDS)

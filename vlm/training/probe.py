@@ -27,7 +27,8 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field, replace
 
 import torch
 from PIL import Image
@@ -35,11 +36,12 @@ from PIL import Image
 from data_pipelines import synthetic
 from data_pipelines.chat import render
 from data_pipelines.packing import Packer, TokenEncoder, collate_rows, encode_sample_tokens
-from data_pipelines.schema import Sample, SkipSample
+from data_pipelines.schema import Sample, Segment, SkipSample, Turn
 from data_pipelines.tokenizer import load_tokenizer
 from vision_tower import ImageProcessor
 from vlm import ConceptMoEVLM, ConceptMoEVLMConfig, VLMProcessor
 from vlm.training.copy_probe import CopyProbeConfig, CopyScore, train_copying
+from vlm.training.vision_pretraining import region_targets
 
 
 @dataclass
@@ -77,6 +79,7 @@ class ProbeConfig:
     needle_modalities: tuple[str, ...] = ("text",)  # where its needles are: text (copying), image (reading)
     needle_answer: str = "value"  # its answers: the value, or the needle sentence restated ("sentence")
     copy_steps: int = 0  # steps of copy rows (``vlm.training.copy_probe``) for the language model alone, first
+    scene_input: str = "image"  # SCENE_INPUTS: the image, the image with its true words (needs vision_words), text
 
 
 @dataclass
@@ -109,6 +112,8 @@ def scene_questions(
             for sample in _endless("scenes_chat", split, seed, max_objects=max_objects, object_size=object_size)
             if sample.meta["task"] == "sceneqa" and sample.meta["type"] in types
         )
+    if scene_types and cfg.scene_input == "text":
+        streams = [map(scene_as_text, stream) for stream in streams]
     if "needle" in types:
         low, high = cfg.needle_units
         options = dict(min_units=low, max_units=high, modalities=cfg.needle_modalities, answer=cfg.needle_answer)
@@ -137,6 +142,32 @@ def _endless(kind: str, split: str, seed: int, **options) -> Iterator[Sample]:
 
 
 QUESTION_TYPES = ("colour", "shape", "position", "count", "needle")
+# what a scene question shows of its scene: the image (its tokens' words, with ``vision_words``, from the tower's
+# word head); the image, its tokens' words the ground truth (``true_words``: each patch inside an object's box says
+# that object's words, a perfect word head); or no image, its objects written out as text (``text``)
+SCENE_INPUTS = ("image", "true_words", "text")
+
+
+def scene_as_text(sample: Sample) -> Sample:
+    """``sample`` with each image replaced by its objects written out (``meta["regions"]``' phrases, in drawing
+    order: "small red square top left, large blue circle center."): the same facts, one word per position."""
+    listing = ", ".join(region["text"] for region in sample.meta["regions"]) + "."
+    turns = [
+        Turn(t.role, [Segment(text=listing) if seg.image is not None else seg for seg in t.segments])
+        for t in sample.turns
+    ]
+    return replace(sample, turns=turns)
+
+
+@contextmanager
+def true_words(tower, target_BLK: torch.Tensor):
+    """Within the block, ``tower.word_probs`` returns ``target_BLK`` (each patch's true words, 0/1) in place of
+    its word head's probabilities: the image tokens carry exactly their objects' words (padding none)."""
+    tower.word_probs = lambda feats: target_BLK.to(feats.features_BLD.device) * feats.valid_BL[..., None]
+    try:
+        yield
+    finally:
+        del tower.word_probs
 
 
 def parse_overrides(items: list[str]) -> dict:
@@ -172,6 +203,10 @@ def check_config(cfg: ProbeConfig) -> None:
         next(synthetic.generate("needles", 1, 0, **options))
     if not 1 <= cfg.eval_min_objects <= cfg.eval_objects:
         raise ValueError(f"need 1 <= eval_min_objects <= eval_objects, got {cfg.eval_min_objects}, {cfg.eval_objects}")
+    if cfg.scene_input not in SCENE_INPUTS:
+        raise ValueError(f"scene_input must be one of {SCENE_INPUTS}, got {cfg.scene_input!r}")
+    if cfg.scene_input == "true_words" and not cfg.overrides.get("vision_words"):
+        raise ValueError("scene_input 'true_words' replaces the word head's output: it needs vision_words=true")
     if cfg.turns not in ("one", "all"):
         raise ValueError(f"turns must be 'one' or 'all', got {cfg.turns!r}")
     if not 0.0 <= cfg.caption_share < 1.0:
@@ -204,9 +239,22 @@ class SeeingProbe:
             if sample.meta.get("objects", cfg.eval_min_objects) >= cfg.eval_min_objects  # needles have no objects
         )
         self.eval_items = [next(eval_stream) for _ in range(cfg.eval_n)]
+        self.regions: dict[int, list] = {}  # id of a training image waiting in the packer -> its sample's regions
 
-    def batches(self) -> Iterator[tuple[int, dict]]:
-        """(stage index, collated batch) per step: rows packed from the current stage's stream."""
+    def words_for(self, batch: dict, regions: list[list[dict]]):
+        """The context the model runs a batch in: with ``scene_input == "true_words"``, its image tokens carry the
+        true words of the images' ``regions`` (:func:`true_words`); else nothing changes."""
+        if self.cfg.scene_input != "true_words":
+            return nullcontext()
+        head = self.model.vision_tower.word_head
+        word_index = {int(t): k for k, t in enumerate(head.ids_K.tolist())}
+        tokenize = self.processor.tokenizer
+        boxed = [[(r["box"], tokenize(r["text"])["input_ids"]) for r in image] for image in regions]
+        return true_words(self.model.vision_tower, region_targets(batch, boxed, word_index))
+
+    def batches(self) -> Iterator[tuple[int, dict, list[list[dict]]]]:
+        """(stage index, collated batch, each of its images' regions) per step: rows packed from the current
+        stage's stream."""
         cfg, image_processor = self.cfg, self.processor.image_processor
         streams: dict[int, Iterator[Sample]] = {}
         packer = Packer(cfg.seq_len)
@@ -217,9 +265,9 @@ class SeeingProbe:
             rows, skipped_in_a_row = [], 0
             while len(rows) < cfg.rows:  # without split_documents a document closes at most one row
                 try:
-                    doc = encode_sample_tokens(
-                        next(streams[stage]), self.encoder, image_processor, self.processor.image_token_id
-                    )
+                    sample = next(streams[stage])
+                    doc = encode_sample_tokens(sample, self.encoder, image_processor, self.processor.image_token_id)
+                    self.regions.update({id(image): sample.meta.get("regions", []) for image in doc.images})
                     rows += packer.add(doc)
                     skipped_in_a_row = 0
                 except SkipSample as skip:  # counted, as the training loader counts its skips
@@ -227,7 +275,8 @@ class SeeingProbe:
                     skipped_in_a_row += 1
                     if skipped_in_a_row == 100:
                         raise ValueError(f"100 samples in a row skipped ({skip}): raise seq_len") from None
-            yield stage, collate_rows(rows, cfg.seq_len, self.processor.pad_token_id, image_processor)
+            regions = [self.regions.pop(id(image)) for row in rows for image in row.images]
+            yield stage, collate_rows(rows, cfg.seq_len, self.processor.pad_token_id, image_processor), regions
 
     @torch.no_grad()
     def score(self, step: int, loss: float, started: float) -> ProbeScore:
@@ -241,7 +290,8 @@ class SeeingProbe:
             images = [[_pil(seg.image) for t in s.turns for seg in t.segments if seg.image is not None] for s in items]
             batch = self.processor(text=texts, images=images)
             answer_len = [len(self.encoder.text_ids(s.qa[0]["a"])) + 1 for s in items]  # + <|end|>
-            out = self.model(**batch)
+            with self.words_for(batch, [s.meta.get("regions", []) for s in items]):
+                out = self.model(**batch)
             stats = out.chunk_stats
             tokens.update(stats["tokens_by_modality"])
             concepts.update(stats["concepts_by_modality"])
@@ -291,8 +341,9 @@ class SeeingProbe:
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
         model.train()
         scores, started = [], time.time()
-        for step, (_, batch) in enumerate(self.batches(), start=1):
-            loss = model(**batch).loss
+        for step, (_, batch, regions) in enumerate(self.batches(), start=1):
+            with self.words_for(batch, regions):
+                loss = model(**batch).loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)

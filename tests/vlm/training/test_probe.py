@@ -5,13 +5,19 @@ every model the toolkit trained before it answered one constant per question typ
 """
 
 import importlib.util
+import random
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
+from data_pipelines.synthetic import scenes
 from eval.score_table import binomial_tail
-from vlm.training.probe import ProbeConfig, SeeingProbe, Stage, training_samples
+from vision_tower import VisionTower
+from vision_tower.boxes import patches_in_boxes
+from vlm import ConceptMoEVLMConfig
+from vlm.training.probe import ProbeConfig, SeeingProbe, Stage, scene_as_text, training_samples, true_words
 
 
 def test_a_tiny_vlm_reads_a_small_objects_colour_after_a_size_curriculum():
@@ -53,6 +59,8 @@ def test_probe_cli_refuses_bad_settings_in_one_line(capsys):
         (["--stage", "0:1:0.8-0.95:shape:x"], "expected START:MAX_OBJECTS[:LOW-HIGH][:TYPES]"),
         (["--set", "pixel_shuffle"], "expected FIELD=JSON"),
         (["--turns", "some"], "turns must be 'one' or 'all'"),
+        (["--scene-input", "audio"], "scene_input must be one of"),
+        (["--scene-input", "true_words"], "needs vision_words=true"),
         (["--eval-objects", "3", "--eval-min-objects", "4"], "eval_min_objects <= eval_objects"),
         (["--types", "needle", "--needle-units", "3-1"], "min_units <= max_units"),
         (["--types", "needle", "--needle-modalities", "audio"], "modalities must be"),
@@ -106,3 +114,60 @@ def test_copy_steps_train_the_language_model_alone_before_the_questions():
     assert SeeingProbe(ProbeConfig(types=("needle",), seq_len=512, steps=1, eval_n=2)).pretrain_copying() == []
     with pytest.raises(ValueError, match="copy_steps >= 0"):
         SeeingProbe(ProbeConfig(copy_steps=-1))
+
+
+def test_text_scene_input_writes_the_objects_out_in_place_of_the_image():
+    cfg = ProbeConfig(types=("colour", "shape"), scene_input="text")
+    for sample in (next(training_samples(cfg, Stage(0, 3), 0)) for _ in range(6)):
+        (user, answer) = sample.turns
+        assert all(seg.image is None for seg in user.segments)
+        listing = user.segments[0].text
+        assert listing == ", ".join(r["text"] for r in sample.meta["regions"]) + "."
+        assert sample.meta["question"] in "".join(seg.text for seg in user.segments)
+    probe = SeeingProbe(ProbeConfig(types=("colour",), scene_input="text", eval_n=4, steps=1))
+    assert all(s.turns == scene_as_text(s).turns for s in probe.eval_items)  # held out as text too
+
+
+def _probe_with_true_words(tmp_path, **options) -> SeeingProbe:
+    tower = VisionTower(**ConceptMoEVLMConfig.from_preset("tiny-moe").tower_kwargs())
+    tower.add_word_head([11, 12, 13])
+    path = tmp_path / "tower.safetensors"
+    save_file({k: v.contiguous() for k, v in tower.state_dict().items()}, str(path))
+    overrides = {"vision_weights": str(path), "vision_words": True}
+    return SeeingProbe(ProbeConfig(types=("colour",), overrides=overrides, scene_input="true_words", **options))
+
+
+def test_true_words_give_each_image_the_words_of_its_own_objects(tmp_path):
+    """Every training image gets the regions of its own sample: the patches inside the object's box show mostly
+    that object's colour (images and regions out of step would mostly disagree)."""
+    probe = _probe_with_true_words(tmp_path, stages=[Stage(0, 1, (0.4, 0.6))], steps=2, eval_n=2)
+    rgb = {name: torch.tensor(value, dtype=torch.float32) for name, value in scenes.COLOURS.items()}
+    seen = 0
+    for _, batch, regions in probe.batches():
+        assert len(regions) == len(batch["patches"]) > 1
+        for i, (region,) in enumerate(regions):
+            inside_L = patches_in_boxes(batch["patch_coord"][i], batch["grid_hw"][i], torch.tensor([region["box"]]))[
+                :, 0
+            ]
+            pixels = (batch["patches"][i][inside_L & batch["patch_valid"][i].bool()].view(-1, 3) * 0.5 + 0.5) * 255
+            names = list(rgb)  # each pixel's named colour, where it is one (the background is not)
+            dist_PC = torch.cdist(pixels, torch.stack([rgb[n] for n in names]))
+            named = dist_PC.min(-1).indices[dist_PC.min(-1).values < 30]
+            assert names[int(named.mode().values)] in region["text"].split(), region
+            seen += 1
+    assert seen >= 4 and len(probe.regions) <= 1  # handed out; at most the packer's one waiting document's left
+
+
+def test_true_words_replace_the_word_heads_output_only_inside_the_block(tmp_path):
+    probe = _probe_with_true_words(tmp_path, steps=1, eval_n=2)
+    tower = probe.model.vision_tower
+    image, _ = scenes.render_scene(random.Random(0))
+    batch = probe.processor.image_processor([image])
+    feats = tower(batch["patches"], batch["patch_coord"], batch["patch_valid"])
+    target_BLK = torch.zeros_like(tower.word_probs(feats))
+    target_BLK[0, 0, 1] = 1.0
+    with true_words(tower, target_BLK):
+        assert torch.equal(tower.word_probs(feats), target_BLK)
+    assert not torch.equal(tower.word_probs(feats), target_BLK)  # the head again
+    with pytest.raises(ValueError, match="needs vision_words=true"):
+        SeeingProbe(ProbeConfig(scene_input="true_words"))
