@@ -240,17 +240,19 @@ class SeeingProbe:
         )
         self.eval_items = [next(eval_stream) for _ in range(cfg.eval_n)]
         self.regions: dict[int, list] = {}  # id of a training image waiting in the packer -> its sample's regions
+        self.word_index: dict[int, int] = {}  # with true_words: token id -> its place in the word head
+        if cfg.scene_input == "true_words":
+            ids = self.model.vision_tower.require_word_head().ids_K.tolist()
+            self.word_index = {int(t): k for k, t in enumerate(ids)}
 
     def words_for(self, batch: dict, regions: list[list[dict]]):
         """The context the model runs a batch in: with ``scene_input == "true_words"``, its image tokens carry the
         true words of the images' ``regions`` (:func:`true_words`); else nothing changes."""
         if self.cfg.scene_input != "true_words":
             return nullcontext()
-        head = self.model.vision_tower.word_head
-        word_index = {int(t): k for k, t in enumerate(head.ids_K.tolist())}
         tokenize = self.processor.tokenizer
         boxed = [[(r["box"], tokenize(r["text"])["input_ids"]) for r in image] for image in regions]
-        return true_words(self.model.vision_tower, region_targets(batch, boxed, word_index))
+        return true_words(self.model.vision_tower, region_targets(batch, boxed, self.word_index))
 
     def batches(self) -> Iterator[tuple[int, dict, list[list[dict]]]]:
         """(stage index, collated batch, each of its images' regions) per step: rows packed from the current

@@ -146,9 +146,8 @@ def test_true_words_give_each_image_the_words_of_its_own_objects(tmp_path):
     for _, batch, regions in probe.batches():
         assert len(regions) == len(batch["patches"]) > 1
         for i, (region,) in enumerate(regions):
-            inside_L = patches_in_boxes(batch["patch_coord"][i], batch["grid_hw"][i], torch.tensor([region["box"]]))[
-                :, 0
-            ]
+            box_14 = torch.tensor([region["box"]])
+            inside_L = patches_in_boxes(batch["patch_coord"][i], batch["grid_hw"][i], box_14)[:, 0]
             pixels = (batch["patches"][i][inside_L & batch["patch_valid"][i].bool()].view(-1, 3) * 0.5 + 0.5) * 255
             names = list(rgb)  # each pixel's named colour, where it is one (the background is not)
             dist_PC = torch.cdist(pixels, torch.stack([rgb[n] for n in names]))
