@@ -10,13 +10,6 @@ Ratio-loss weight λ: the paper uses 0.03 (inherited from H-Net) for runs of hun
 tokens. The tiny and small presets exist for runs of a few hundred CPU steps, where λ = 0.03 lets R
 overshoot (8-15 early, still ~3 after 800 steps on a d=64 prototype); λ = 0.3 settles R within ~10% of
 the target in ~150 steps. Use ``ratio_loss_weight=0.03`` for long runs (docs/paper.md §12.12).
-
-Initialisation: weights start at std ``initializer_range`` = 0.8 / sqrt(d_model) (0.1 at d = 64, 0.05 at d = 256),
-not the 0.02 of GPT-2 and HF, which is about that rule at d = 768-1024. At d = 64 and 0.02, a query-key product
-starts ~25 times smaller than at 0.1, and attention stays near uniform for hundreds of steps: with 0.1 the seeing
-probe's language model learns which colour goes with which shape (colour / shape of the named object 0.76 / 0.90
-against 0.52 / 0.44 at 0.02, on perfect image tokens), and a small object's colour without a size curriculum (0.63
-against 0.08 after 600 steps; docs/seeing.md, "Initialisation"). ``small`` follows the same rule, unmeasured.
 """
 
 TINY_MOE = dict(
@@ -34,7 +27,6 @@ TINY_MOE = dict(
     chunking="none",
     target_r=1.0,
     max_position_embeddings=4096,
-    initializer_range=0.1,  # 0.8 / sqrt(d_model): see the module docstring
 )
 
 SMALL_MOE = dict(
@@ -52,7 +44,6 @@ SMALL_MOE = dict(
     chunking="none",
     target_r=1.0,
     max_position_embeddings=8192,
-    initializer_range=0.05,  # 0.8 / sqrt(d_model)
 )
 
 # Our guess at a paper-scale baseline in the spirit of MoE-A0.5B-12B (docs/paper.md §12.12). The paper gives
