@@ -67,8 +67,7 @@ TOWER_STEPS ?= 2400
 # STAGE1_SET="--set model.overrides.vision_embed_dim=64 --set model.overrides.vision_heads=2"
 # REGION_LABELS: stage 0's --region-labels 1, every patch in an object's box names that object (one-object shape
 # 0.88 / 0.92 over two seeds, against 0.70 / 0.76 without; position 0.48 / 0.44 against 0.58 / 0.60, at the old
-# initialisation std 0.02: docs/seeing.md,
-# "region labels"; empty: caption words alone).
+# initialisation std 0.02: docs/seeing.md, "region labels"; empty: caption words alone).
 TOWER_SET ?= --set 'vision_stem="conv"' --set vision_embed_dim=128 --set vision_heads=4
 REGION_LABELS ?= --region-labels 1
 TOWER_SEED ?= $(SEED)
