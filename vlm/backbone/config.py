@@ -178,6 +178,11 @@ RULES: tuple[Rule, ...] = (
     ),
     field_rule("noise_tau", lambda t: t >= 0.0, "must be >= 0 (0 disables boundary noise; the paper uses 6)"),
     field_rule("ratio_loss_weight", lambda w: w >= 0.0, "must be >= 0"),
+    field_rule(
+        "embedding_init_std",
+        lambda s: s is None or (isinstance(s, (int, float)) and not isinstance(s, bool) and s > 0),
+        "must be None (initializer_range) or a number > 0",
+    ),
     Rule(
         "target_r_by_modality", _modality_targets_ok, "must be None or {{modality id: R > 1}} with chunking='dynamic'"
     ),
@@ -256,6 +261,13 @@ class ConceptMoEConfig(PretrainedConfig):
          times with shared weights;
       3. ``concept_d_model`` > ``d_model`` (with fewer ``concept_num_experts``): a wider concept model
          behind d -> d_c and d_c -> d projectors.
+
+    Weights start at std ``initializer_range``, the token embeddings at ``embedding_init_std`` when it is set
+    (unit-scale embeddings, as in muP: Yang et al. 2021, "Tensor Programs V"). At a large ``initializer_range``
+    (0.1 = 0.8 / sqrt(d) at d = 64) the layers' outputs otherwise swamp embeddings of the same std, and with the
+    dechunked concept added to each token (Eq. 9-10) too little of the token's own identity is left: the chunked
+    ``tiny`` then fails to copy for some seeds (``tests/vlm/backbone/test_copying.py``; docs/seeing.md,
+    "Initialisation"). With tied embeddings the output layer shares that std.
     """
 
     model_type = "conceptmoe"
@@ -308,6 +320,7 @@ class ConceptMoEConfig(PretrainedConfig):
         rms_norm_eps: float = 1e-6,
         max_position_embeddings: int = 32768,
         initializer_range: float = 0.02,
+        embedding_init_std: float | None = None,
         tie_word_embeddings: bool = False,
         num_experts_per_tok: int | None = None,
         **kwargs,

@@ -57,7 +57,8 @@ class ConceptMoEPreTrainedModel(HubCodeMixin, PreTrainedModel):
     def _init_weights(self, module):
         std = self.config.initializer_range
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            init.normal_(module.weight, mean=0.0, std=std)
+            embedding_std = self.config.embedding_init_std if isinstance(module, nn.Embedding) else None
+            init.normal_(module.weight, mean=0.0, std=std if embedding_std is None else embedding_std)
             if getattr(module, "bias", None) is not None:
                 init.zeros_(module.bias)
             role = getattr(module, "init_role", None)

@@ -131,6 +131,19 @@ def test_joint_zero_init_decoder_ignores_concept_in_attention():
     assert not torch.equal(attn.joint_qkv(x, concept)[0], attn.joint_qkv(x, None)[0])
 
 
+def test_embedding_init_std_sets_the_embeddings_alone_and_survives_save(tmp_path):
+    model = tiny_model("dynamic", initializer_range=0.1, embedding_init_std=1.0)
+    assert abs(model.get_input_embeddings().weight.std().item() - 1.0) < 0.05
+    assert abs(model.get_output_embeddings().weight.std().item() - 0.1) < 0.01  # untied: the output layer keeps 0.1
+    assert abs(model.model.encoder.layers[0].attn.q_proj.weight.std().item() - 0.1) < 0.01
+    model.save_pretrained(tmp_path)
+    assert ConceptMoEForCausalLM.from_pretrained(tmp_path).config.embedding_init_std == 1.0
+    default = tiny_model("dynamic", initializer_range=0.1)
+    assert abs(default.get_input_embeddings().weight.std().item() - 0.1) < 0.01  # None: initializer_range
+    with pytest.raises(ValueError, match="embedding_init_std"):
+        ConceptMoEConfig.from_preset("tiny", embedding_init_std=-1.0)
+
+
 def test_loss_is_the_weighted_sum_of_its_terms():
     model = tiny_model("dynamic", moe_z_loss_weight=0.001)
     ids = torch.randint(0, 512, (2, 32))
