@@ -23,6 +23,10 @@ mean and max of the patches whose centres lie in the object's box, ``token`` the
 block holding the patch nearest its centre (its patches concatenated: exactly what one image token of the VLM
 reads). A question about one object among several ("What shape is the red object?") can only be answered by
 attention to tokens that carry both of its attributes, so ``token`` is the ceiling of what such a lookup reads.
+
+:func:`probe_word_head` asks a tower's word head (what ``vision_words`` hands the language model) the same
+question without a fitted probe: on how many objects does some patch name the object's own colour / shape, and on
+how many another object's.
 """
 
 from __future__ import annotations
@@ -207,6 +211,18 @@ def probe_binding(
     return scores
 
 
+def object_patches(
+    coord_L2: torch.Tensor, grid: torch.Tensor, box, centre_L2: torch.Tensor
+) -> tuple[torch.Tensor, int]:
+    """(the [L] mask of the patches whose centres lie in ``box``, the index of the patch nearest the box's centre,
+    which the mask always holds: an object smaller than a patch still has its nearest patch)."""
+    x0, y0, x1, y1 = box
+    inside_L = patches_in_boxes(coord_L2, grid, torch.tensor([box]))[:, 0]
+    nearest = int((centre_L2 - torch.tensor([(y0 + y1) / 2, (x0 + x1) / 2])).square().sum(-1).argmin())
+    inside_L[nearest] = True
+    return inside_L, nearest
+
+
 @torch.no_grad()
 def object_features(
     tower: VisionTower, images: list, scenes: list[list[dict]], max_patches: int = 64, pixel_shuffle: int = 2
@@ -224,10 +240,7 @@ def object_features(
             grid, block_L = cut["grid_hw"][b], coord_L2 // pixel_shuffle
             centre_L2 = patch_centres(coord_L2, grid)
             for obj in scene:
-                x0, y0, x1, y1 = obj["box"]
-                inside_L = patches_in_boxes(coord_L2, grid, torch.tensor([obj["box"]]))[:, 0]
-                nearest = int((centre_L2 - torch.tensor([(y0 + y1) / 2, (x0 + x1) / 2])).square().sum(-1).argmin())
-                inside_L[nearest] = True  # an object smaller than a patch still has its nearest patch
+                inside_L, nearest = object_patches(coord_L2, grid, obj["box"], centre_L2)
                 out["object"].append(torch.cat([x_LD[inside_L].mean(0), x_LD[inside_L].amax(0)]))
                 token_D = torch.zeros(pixel_shuffle**2, x_LD.shape[1])  # a block's missing patches read as zeros
                 in_block = (block_L == block_L[nearest]).all(-1)
@@ -259,5 +272,57 @@ def probe_objects(
     return scores
 
 
-def scores_json(scores: list[ProbeScore]) -> list[dict]:
+@dataclass
+class WordHeadScore:
+    attribute: str  # "colour" | "shape"
+    named: float  # share of the objects whose own word some patch in their box names
+    foreign: float  # share of the objects on whose patches another object's word (one they lack) is named
+    objects: int
+    threshold: float
+
+
+@torch.no_grad()
+def probe_word_head(
+    tower: VisionTower,
+    word_ids: dict[str, list[int]],
+    n: int = 120,
+    seed: int = 10,
+    max_patches: int = 64,
+    threshold: float = 0.5,
+) -> list[WordHeadScore]:
+    """What the tower's word head (``--region-labels`` / ``--patch-labels``; ``vision_words`` hands its words to the
+    language model) says object by object, in ``n`` scenes of 2-3 objects (:func:`binding_scenes`): a word is named
+    on a patch when every piece of it (``word_ids``: word -> its token ids) is above ``threshold``. For colour and
+    shape, ``named``: some patch in the object's box (:func:`object_patches`) names the object's own word;
+    ``foreign``: some patch there names another object's word that this object does not have. A question about one
+    object among several is answered by a lookup of the tokens that name it: an object whose shape no token names
+    cannot be found by its shape or asked its shape (docs/seeing.md, "Initialisation")."""
+    head = tower.require_word_head()
+    place = {int(t): k for k, t in enumerate(head.ids_K.tolist())}
+    missing = sorted(w for w, ids in word_ids.items() if not ids or any(t not in place for t in ids))
+    if missing:
+        raise ValueError(f"probe_word_head: the word head does not name {', '.join(missing)}")
+    cols = {w: [place[t] for t in ids] for w, ids in word_ids.items()}
+    processor = ImageProcessor(tower.patch_size, max_patches, 2)
+    images, scenes = binding_scenes(n, seed)
+    named, foreign, objects = Counter(), Counter(), 0
+    for i in range(0, len(images), 64):
+        cut = processor(images[i : i + 64])
+        feats = tower(cut["patches"], cut["patch_coord"], cut["patch_valid"])
+        says_BLK = tower.word_probs(feats) > threshold
+        for b, scene in enumerate(scenes[i : i + 64]):
+            valid_L = feats.valid_BL[b]
+            coord_L2, says_LK = feats.coord_BL2[b][valid_L], says_BLK[b][valid_L]
+            centre_L2 = patch_centres(coord_L2, cut["grid_hw"][b])
+            for obj in scene:
+                says = says_LK[object_patches(coord_L2, cut["grid_hw"][b], obj["box"], centre_L2)[0]]
+                objects += 1
+                for attribute in ("colour", "shape"):
+                    named[attribute] += bool(says[:, cols[obj[attribute]]].all(-1).any())
+                    others = {o[attribute] for o in scene} - {obj[attribute]}
+                    foreign[attribute] += any(bool(says[:, cols[w]].all(-1).any()) for w in others)
+    return [WordHeadScore(a, named[a] / objects, foreign[a] / objects, objects, threshold) for a in ("colour", "shape")]
+
+
+def scores_json(scores: list) -> list[dict]:
     return [asdict(s) for s in scores]

@@ -8,7 +8,9 @@ and the mean / max of the patch features) with held-out accuracy and chance per 
 ``--binding`` adds ``colour_of_shape``: the colour of a named shape among 2-3 objects, next to what a reader of the
 scene's colours that cannot tell which object wears which gets (``unbound``). ``--objects`` adds each object's
 colour and shape among 2-3 objects from its own patches (``object``) and from the one image token at its centre
-(``token``): what a question about one object can read.
+(``token``): what a question about one object can read. ``--words`` asks the tower's word head (a tower trained with
+``--region-labels`` or ``--patch-labels``) object by object among 2-3 objects: the share of objects whose own colour /
+shape some patch in their box names, and of those on which another object's is named (``probe_word_head``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from pathlib import Path
 
 import torch
 
-from eval.tower_probe import load_tower, probe_binding, probe_objects, probe_tower, scores_json
+from data_pipelines.synthetic.scenes import COLOURS, SHAPES
+from data_pipelines.tokenizer import load_tokenizer
+from eval.tower_probe import load_tower, probe_binding, probe_objects, probe_tower, probe_word_head, scores_json
 from vlm.training.vision_pretraining import TOWER_FIELDS
 
 
@@ -36,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-patches", type=int, default=64, help="the image budget the VLM reads the tower at")
     p.add_argument("--binding", action="store_true", help="also probe colour_of_shape among 2-3 objects")
     p.add_argument("--objects", action="store_true", help="also probe each object's colour and shape, per token")
+    p.add_argument("--words", action="store_true", help="also ask the word head, object by object (2-3 objects)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument("--json", help="also write the scores here")
     args = p.parse_args(argv)
@@ -54,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     t0 = time.time()
     try:
+        if args.words:  # the head's size is read from the file
+            overrides.update(vision_words=True, vision_weights=str(args.weights))
         tower = load_tower(args.weights, args.preset, **overrides)
     except (ValueError, RuntimeError) as err:
         print(f"probe_tower: {args.weights}: {err}", file=sys.stderr)
@@ -72,9 +79,19 @@ def main(argv: list[str] | None = None) -> int:
             if s.features == features
         ]
         print(f"{features}: " + ", ".join(row))
+    heads = []
+    if args.words:
+        tokenizer = load_tokenizer()
+        word_ids = {w: tokenizer(" " + w)["input_ids"] for w in (*COLOURS, *SHAPES)}
+        heads = probe_word_head(tower, word_ids, seed=args.seed + 10, max_patches=args.max_patches)
+        print(
+            "word head: "
+            + ", ".join(f"{h.attribute} named {h.named:.3f} (another object's {h.foreign:.3f})" for h in heads)
+            + f" on {heads[0].objects} objects"
+        )
     print(f"probe_tower: {args.train} + {args.test} scenes, {time.time() - t0:.0f} s")
     if args.json:
-        Path(args.json).write_text(json.dumps(scores_json(scores), indent=2) + "\n")
+        Path(args.json).write_text(json.dumps(scores_json([*scores, *heads]), indent=2) + "\n")
     return 0
 
 

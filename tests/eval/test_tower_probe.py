@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from data_pipelines.synthetic.scenes import COLOURS, SHAPES
+from data_pipelines.tokenizer import load_tokenizer
 from eval import tower_probe
 from eval.tower_probe import linear_probe_accuracy, load_tower, one_object_scenes, probe_tower, tower_features
 from vision_tower import VisionTower
@@ -82,6 +83,14 @@ def test_probe_script_prints_one_line_per_feature_set_and_refuses_bad_input(tmp_
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines[:2]] == ["summary", "patches"] and "chance" in lines[0]
     assert len(json.loads((tmp_path / "p.json").read_text())) == 6
+    assert script.main([str(out), "--train", "4", "--test", "2", "--words"]) == 2  # a tower without a word head
+    assert capsys.readouterr().err.count("\n") == 1
+    tokenizer = load_tokenizer()
+    with_head = tiny_tower()
+    with_head.add_word_head(sorted({t for w in (*COLOURS, *SHAPES) for t in tokenizer(" " + w)["input_ids"]}))
+    write_tower(out, with_head, {"tower": TOWER})
+    assert script.main([str(out), "--train", "4", "--test", "2", "--words"]) == 0
+    assert capsys.readouterr().out.splitlines()[2].startswith("word head: colour named ")
     assert script.main([str(tmp_path / "missing.safetensors")]) == 2
     assert "no such file" in capsys.readouterr().err
     with pytest.raises(SystemExit):
@@ -149,3 +158,52 @@ def test_the_object_probe_reads_each_objects_colour_from_its_own_patches():
         colour, shape = scores[(features, "colour")], scores[(features, "shape")]
         assert colour.accuracy > 0.75 and colour.chance < 0.25  # 8 colours: misaligned labels would read ~0.15
         assert shape.accuracy < colour.accuracy - 0.3
+
+
+class WordPixelTower(PixelTower):
+    """:class:`PixelTower` with a word head that names a colour on the patches painted in that colour alone (mean
+    RGB within 0.05 of it, the processor's normalisation undone), no shape anywhere; ``bag=True``: every word on
+    every patch. Each word is one token id; "triangle" is two pieces, which must both be named to count."""
+
+    ids = {**{c: [100 + i] for i, c in enumerate(COLOURS)}, **{s: [200 + i] for i, s in enumerate(SHAPES)}}
+    ids["triangle"] = [300, 301]
+
+    def __init__(self, bag: bool = False):
+        super().__init__()
+        self.bag = bag
+        self.ids_K = torch.tensor(sorted({t for pieces in self.ids.values() for t in pieces}))
+        self.rgb_K3 = torch.full((len(self.ids_K), 3), -9.0)  # no patch is this colour
+        for colour, rgb in COLOURS.items():
+            self.rgb_K3[self.ids_K.tolist().index(self.ids[colour][0])] = torch.tensor(rgb) / 127.5 - 1.0
+
+    def require_word_head(self):
+        return self
+
+    def word_probs(self, feats):
+        if self.bag:
+            return feats.valid_BL[..., None].float().expand(-1, -1, len(self.ids_K))
+        near_BLK = (feats.features_BLD[..., None, :] - self.rgb_K3).abs().amax(-1) < 0.05
+        return (near_BLK & feats.valid_BL[..., None]).float()
+
+
+def test_the_word_head_probe_counts_each_objects_own_words_and_the_others():
+    n = 60
+    ids = WordPixelTower.ids
+    colours, shapes = tower_probe.probe_word_head(WordPixelTower(), ids, n=n)
+    assert (colours.attribute, shapes.attribute, colours.objects) == ("colour", "shape", shapes.objects)
+    # small objects seldom fill a patch; a patch of one colour lies in that colour's box only
+    assert colours.named > 0.15 and colours.foreign == 0.0
+    assert shapes.named == shapes.foreign == 0.0
+    names = list(COLOURS)  # each detector asked as the next colour's word: the objects' own words are never named
+    rotated = {**ids, **{c: ids[names[(i + 1) % len(names)]] for i, c in enumerate(names)}}
+    wrong, _ = tower_probe.probe_word_head(WordPixelTower(), rotated, n=n)
+    assert wrong.named == 0.0 and wrong.foreign > 0.0
+    scenes = tower_probe.binding_scenes(n, 10)[1]
+    mixed = {a: sum(len({o[a] for o in s}) > 1 for s in scenes for _ in s) for a in ("colour", "shape")}
+    bag = {s.attribute: s for s in tower_probe.probe_word_head(WordPixelTower(bag=True), ids, n=n)}
+    assert colours.objects == sum(len(s) for s in scenes)
+    for a in ("colour", "shape"):
+        assert bag[a].named == 1.0 and bag[a].foreign == mixed[a] / colours.objects
+    one_piece = {**ids, "triangle": [300, 999]}  # a piece the head does not name: refused, not counted as unnamed
+    with pytest.raises(ValueError, match="triangle"):
+        tower_probe.probe_word_head(WordPixelTower(bag=True), one_piece, n=2)
