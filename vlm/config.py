@@ -64,6 +64,12 @@ VLM_RULES: tuple[Rule, ...] = (
         "needs vision_weights: a tower file with a word head (scripts/pretrain_vision.py --region-labels or "
         "--patch-labels writes one)",
     ),
+    field_rule("vision_projector", lambda v: isinstance(v, bool), "must be true or false"),
+    Rule(
+        "vision_projector",
+        lambda c: c.vision_projector or (c.vision_words and not c.vision_summary),
+        "needs vision_words=true and vision_summary=false (without a projector an image token is its words alone)",
+    ),
 )
 
 # Vision towers per preset: random-init NaFlexViTs small enough for CPU tests and demos.
@@ -86,7 +92,9 @@ class ConceptMoEVLMConfig(PretrainedConfig):
     summary, so an answer can read the whole image from any of its tokens (``docs/seeing.md``). ``vision_words``
     loads the tower's word head from ``vision_weights`` (``vision_word_count`` records its size, so a saved model
     rebuilds it) and adds to each image token the language model's embeddings of the words its patches detect
-    (``vision_tower.words``).
+    (``vision_tower.words``). ``vision_projector=false`` (with ``vision_words``) drops the projector: each image token
+    is then its words' embeddings alone, the tokens from which a small language model learns which colour goes with
+    which shape (``docs/seeing.md``, "Initialisation").
     """
 
     model_type = "conceptmoe_vlm"
@@ -107,6 +115,7 @@ class ConceptMoEVLMConfig(PretrainedConfig):
         vision_summary: bool = False,
         vision_words: bool = False,
         vision_word_count: int = 0,
+        vision_projector: bool = True,
         pixel_shuffle: int = 2,
         max_patches: int = 256,
         projector_hidden: int | None = None,
@@ -139,6 +148,7 @@ class ConceptMoEVLMConfig(PretrainedConfig):
         self.vision_pretrained = vision_pretrained
         self.vision_summary = vision_summary
         self.vision_words, self.vision_word_count = vision_words, vision_word_count
+        self.vision_projector = vision_projector
         self.pixel_shuffle = pixel_shuffle
         self.max_patches = max_patches
         self.projector_hidden = projector_hidden

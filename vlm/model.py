@@ -74,8 +74,12 @@ class ConceptMoEVLM(HubCodeMixin, PreTrainedModel, ConceptMoEGenerationMixin):
             config.vision_weights, config.vision_pretrained = None, False
         d_model = config.text_config.d_model
         summary_dim = self.vision_tower.out_dim if config.vision_summary else 0
-        self.projector = Projector(
-            self.vision_tower.out_dim * config.pixel_shuffle**2 + summary_dim, d_model, config.projector_hidden
+        self.projector = (
+            Projector(
+                self.vision_tower.out_dim * config.pixel_shuffle**2 + summary_dim, d_model, config.projector_hidden
+            )
+            if config.vision_projector
+            else None  # image tokens are their words alone (vision_words)
         )
         self.language_model = ConceptMoEForCausalLM(config.text_config)
         self.post_init()
@@ -178,26 +182,30 @@ class ConceptMoEVLM(HubCodeMixin, PreTrainedModel, ConceptMoEGenerationMixin):
         """[sum of num_tokens over the images, d_model], images in batch order, tokens row-major. With
         ``vision_summary`` each merged token is joined by its image's summary (``VisionTower.summarize``) before
         the projector; with ``vision_words`` the language model's embeddings of the words the token's patches detect
-        are added after it (``vision_tower.words.word_embeddings``)."""
+        are added after it (``vision_tower.words.word_embeddings``), or are the whole token without a projector
+        (``vision_projector=False``)."""
         feats = self.vision_tower(patches, patch_coord, patch_valid)
         m = self.config.pixel_shuffle
-        tokens_TD = pixel_shuffle_merge(feats.features_BLD, feats.coord_BL2, feats.valid_BL, grid_hw, m)
-        if self.config.vision_summary:
-            per_image_B = (grid_hw.to(tokens_TD.device).long().view(-1, 2) // m).prod(-1)  # as the merge counts them
-            summary_TD = self.vision_tower.summarize(feats).repeat_interleave(per_image_B, dim=0)
-            tokens_TD = torch.cat([tokens_TD, summary_TD.to(tokens_TD.dtype)], dim=-1)
-        image_TD = self.projector(tokens_TD)
+        image_TD = 0.0
+        if self.projector is not None:
+            tokens_TD = pixel_shuffle_merge(feats.features_BLD, feats.coord_BL2, feats.valid_BL, grid_hw, m)
+            if self.config.vision_summary:
+                per_image_B = (grid_hw.to(tokens_TD.device).long().view(-1, 2) // m).prod(-1)  # as the merge counts
+                summary_TD = self.vision_tower.summarize(feats).repeat_interleave(per_image_B, dim=0)
+                tokens_TD = torch.cat([tokens_TD, summary_TD.to(tokens_TD.dtype)], dim=-1)
+            image_TD = self.projector(tokens_TD)
         if self.config.vision_words:
             probs_BLK = self.vision_tower.word_probs(feats)
             probs_TlK = pixel_shuffle_merge(probs_BLK, feats.coord_BL2, feats.valid_BL, grid_hw, m)
             head = self.vision_tower.word_head
             embedding_VE = self.get_input_embeddings().weight
-            image_TD = image_TD + word_embeddings(probs_TlK.view(len(image_TD), m * m, -1), head.ids_K, embedding_VE)
+            words_TD = word_embeddings(probs_TlK.view(len(probs_TlK), m * m, -1), head.ids_K, embedding_VE)
+            image_TD = image_TD + words_TD
         return image_TD
 
     def idle_image_pass(self, like: torch.Tensor) -> torch.Tensor:
-        """The tower and projector on one blank merge block: a text-only training batch still uses (and gives a
-        zero gradient to) every vision parameter, like the batches of the other ranks."""
+        """The tower and projector (or word head) on one blank merge block: a text-only training batch still uses
+        (and gives a zero gradient to) every vision parameter, like the batches of the other ranks."""
         m, p = self.config.pixel_shuffle, self.vision_tower.patch_size
         coord = torch.stack(torch.meshgrid(torch.arange(m), torch.arange(m), indexing="ij"), -1).reshape(1, m * m, 2)
         patches = like.new_zeros(1, m * m, p * p * 3)

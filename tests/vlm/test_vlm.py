@@ -216,6 +216,38 @@ def test_vision_words_add_the_embeddings_of_the_words_the_patches_detect(tmp_pat
         make_vlm(processor, vision_words=True)
 
 
+def test_without_a_projector_an_image_token_is_its_words_alone(tmp_path, processor):
+    """vision_projector=False: each image token is exactly sum_k p_k E[ids_k], the model holds no projector (nor
+    does its checkpoint), training reaches the embedding rows, and a saved model reloads the same."""
+    torch.manual_seed(0)
+    tower = VisionTower(**ConceptMoEVLMConfig.from_preset("tiny").tower_kwargs())
+    head = tower.add_word_head([10, 20, 30])
+    with torch.no_grad():
+        head.linear.weight.zero_()
+        head.linear.bias.copy_(torch.tensor([-10.0, 10.0, -10.0]))
+    path = tmp_path / "tower.safetensors"
+    save_file({k: v.contiguous() for k, v in tower.state_dict().items()}, str(path))
+    model = make_vlm(processor, vision_weights=str(path), vision_words=True, vision_projector=False).eval()
+    assert model.projector is None and not any(k.startswith("projector.") for k in model.state_dict())
+    inputs = {k: v for k, v in processor.image_processor(images(2)).items() if k != "num_tokens"}
+    tokens_TE = model.image_embeddings(**inputs)
+    table_VE = model.get_input_embeddings().weight
+    s = torch.sigmoid(torch.tensor(10.0))
+    expected_E = s * table_VE[20] + (1 - s) * (table_VE[10] + table_VE[30])
+    torch.testing.assert_close(tokens_TE, expected_E.expand_as(tokens_TE).detach(), atol=1e-5, rtol=1e-4)
+    batch = processor(text=["<image> a yellow square"], images=[images(1)])
+    model.train()(**batch, labels=batch["input_ids"]).loss.backward()
+    assert table_VE.grad[20].abs().sum() > 0
+    model.eval().save_pretrained(tmp_path / "hf")
+    loaded = AutoModelForImageTextToText.from_pretrained(tmp_path / "hf").eval()
+    assert loaded.projector is None and not loaded.config.vision_projector
+    with torch.no_grad():
+        assert torch.equal(model(**batch).logits, loaded(**batch).logits)
+    for fields in ({}, {"vision_words": True, "vision_weights": str(path), "vision_summary": True}):
+        with pytest.raises(ValueError, match="vision_projector=False is invalid: needs vision_words=true"):
+            make_vlm(processor, vision_projector=False, **fields)
+
+
 def test_init_from_text_checkpoint_and_freezing(tmp_path, processor):
     torch.manual_seed(0)
     text_model = ConceptMoEForCausalLM(ConceptMoEVLMConfig.from_preset("tiny", vocab_size=320).text_config).eval()
