@@ -131,6 +131,7 @@ demo: venv demo-shards
 		--seed $(TOWER_SEED) \
 		--out $(DEMO_RUN)/tower/tower.safetensors
 	$(BIN)/python scripts/probe_tower.py $(DEMO_RUN)/tower/tower.safetensors --threads 2 --binding \
+		$(if $(strip $(REGION_LABELS)),--words) \
 		--json $(DEMO_RUN)/tower/probe.json
 	$(if $(TEXT_STAGE),$(COPYING_SHARDS) && $(TEXT_CMD))
 	$(DS) --config scripts/configs/stage1_colour.yaml --out $(DEMO_RUN)/stage1_colour \
