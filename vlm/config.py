@@ -137,11 +137,8 @@ class ConceptMoEVLMConfig(PretrainedConfig):
         elif isinstance(text_config, dict):
             text_config = ConceptMoEConfig(**{k: v for k, v in text_config.items() if k != "model_type"})
         self.text_config = text_config
-        self.vision_model = vision_model
-        self.vision_embed_dim = vision_embed_dim
-        self.vision_depth = vision_depth
-        self.vision_heads = vision_heads
-        self.patch_size = patch_size
+        self.vision_model, self.vision_embed_dim = vision_model, vision_embed_dim
+        self.vision_depth, self.vision_heads, self.patch_size = vision_depth, vision_heads, patch_size
         self.vision_pos_embed = vision_pos_embed
         self.vision_stem = vision_stem
         self.vision_weights = vision_weights
@@ -155,8 +152,7 @@ class ConceptMoEVLMConfig(PretrainedConfig):
         self.image_token_id = text_config.vocab_size - 1 if image_token_id is None else image_token_id
         self.modality_boundaries = modality_boundaries
         self.image_chunking = image_chunking
-        self.freeze_vision = freeze_vision
-        self.freeze_backbone = freeze_backbone
+        self.freeze_vision, self.freeze_backbone = freeze_vision, freeze_backbone
         # the tokenizer's, as HF models carry them (``VLMProcessor.special_token_ids``); the model's generation config
         # starts from them, so ``generate`` stops at any of ``eos_token_id`` (``<|end|>`` and end of text)
         self.bos_token_id, self.eos_token_id, self.pad_token_id = bos_token_id, eos_token_id, pad_token_id
