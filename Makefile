@@ -34,20 +34,20 @@ LINT := $(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/lint-impor
 test: venv
 	$(LINT) && $(BIN)/python -m pytest -q tests
 
-# The main job, end to end on CPU: synthetic shards -> stage 0 (the vision tower alone learns the words of
-# one-object scene captions as labels: scripts/pretrain_vision.py --objective multilabel, conv stem, 128 wide; with
-# --region-labels each patch inside the object's box learns its words too) ->
-# stage 1a (the language model and projector, tower frozen, on the colour of one large object: colour first,
-# docs/seeing.md) -> stage 1b (from 1a's export: colour / shape / position questions about one object, large or
-# small: learn to look; every image token also carries the image's summary from stage 0's pool: vision_summary) ->
-# stage 2 (all but the tower, at a lower lr: the eval tasks' conversations, one-object scenes of every size and
+# The main job, end to end on CPU: synthetic shards -> stage 0 (the vision tower alone learns the words of the
+# captions of scenes of 1-3 objects as labels: scripts/pretrain_vision.py --objective multilabel, conv stem, 128
+# wide; with --region-labels 10 each patch inside an object's box learns that object's words, and the tower's word
+# head names every object) -> stage 1a (the language model, tower frozen, on the colour of one large object: colour
+# first, docs/seeing.md; each image token is the embeddings of its patches' words alone: vision_words, no
+# projector) -> stage 1b (from 1a's export: colour / shape / position questions about one object, large or small:
+# learn to look) -> stage 2 (all but the tower, at a lower lr: the eval tasks' conversations, one-object scenes of every size and
 # question type, and more colour / shape / position questions on small single objects, loss on the answers) with
 # 2-process DeepSpeed -> HF exports -> per-modality R report -> lmms-eval on the five local tasks through the
 # conceptmoe plugin (chat template) -> per-task R report -> score table (score, chance, R per modality) -> the
 # concepts of one held-out sample (scripts/show_concepts.py: runs/demo/concepts.png, .html).
 # `make instruct-long` is the same recipe with a text stage before stage 1a (TEXT_STAGE=1: it learns to copy) and a
-# longer stage 2 with text needles (scripts/configs/stage2_long.yaml; 55 min in all), its stage 0 on scenes of 1-3
-# objects too.
+# longer stage 2 with text needles (scripts/configs/stage2_long.yaml; 55 min in all), on caption words alone and
+# projector tokens (its text stage's model).
 DEMO_DATA := data/demo
 DEMO_RUN := runs/demo
 STAGE2 := scripts/configs/stage2.yaml
@@ -65,17 +65,17 @@ TOWER_STEPS ?= 2400
 # The tower's architecture (stage 1a must build the same: stage1_colour.yaml's model.overrides, or STAGE1_SET), e.g.
 # the preset's narrower tower of docs/seeing.md: make demo TOWER_SET="--set 'vision_stem=\"conv\"'"
 # STAGE1_SET="--set model.overrides.vision_embed_dim=64 --set model.overrides.vision_heads=2"
-# REGION_LABELS: stage 0's --region-labels 1, every patch in an object's box names that object (one-object shape
-# 0.88 / 0.92 over two seeds, against 0.70 / 0.76 without; position 0.48 / 0.44 against 0.58 / 0.60, at the old
-# initialisation std 0.02: docs/seeing.md, "region labels"; empty: caption words alone).
+# REGION_LABELS: stage 0's --region-labels 10, every patch in an object's box names that object at 10 times the
+# caption's weight: the tower's word head then names every object of a scene (shape on 0.88 of them, against 0.56 at
+# weight 1), and from stage 1a on each image token is the embeddings of its patches' words alone
+# (stage1_colour.yaml: vision_words, no projector; docs/seeing.md, "Initialisation"). Empty: caption words alone
+# (then stage 1a needs STAGE1_SET="--set model.overrides.vision_words=false ..." and a projector).
 TOWER_SET ?= --set 'vision_stem="conv"' --set vision_embed_dim=128 --set vision_heads=4
-REGION_LABELS ?= --region-labels 1
+REGION_LABELS ?= --region-labels 10
 TOWER_SEED ?= $(SEED)
-# Its captioned scenes: one object of 12-95% of the short side. `make instruct-long` adds as many scenes of 1-3
-# objects, whose captions say which colour goes with which shape: the tower then carries more binding and the longer
-# recipe counts among several objects, while in the demo's short stages the answers read one object's shape less
-# (docs/seeing.md, "Binding").
-TOWER_SHARDS ?= $(DEMO_DATA)/vision/train
+# Its captioned scenes: one object of 12-95% of the short side, and as many scenes of 1-3 objects, whose region
+# labels teach the word head to name each object of a scene apart (docs/seeing.md, "Binding", "Initialisation").
+TOWER_SHARDS ?= $(DEMO_DATA)/vision/train $(DEMO_DATA)/vision_multi/train
 # TEXT_STAGE=1: a text stage between stage 0 and stage 1a (scripts/configs/stage0_text.yaml, TEXT_STEPS steps on the
 # copying_chat shards: the language model learns to copy, with tied embeddings, the stage-0 tower loaded and frozen);
 # stage 1a then starts from its export. `make instruct-long` sets it, so that its stage 2 learns the needles;
@@ -124,6 +124,8 @@ demo-shards: venv
 demo: venv demo-shards
 	test -f $(DEMO_DATA)/vision/train/manifest.json || $(BIN)/python scripts/make_shards.py --synthetic scenes \
 		--option max_objects=1 --option object_size=0.12,0.95 --out $(DEMO_DATA)/vision --num-samples 6000 --seed 3
+	test -f $(DEMO_DATA)/vision_multi/train/manifest.json || $(BIN)/python scripts/make_shards.py \
+		--synthetic scenes --option max_objects=3 --out $(DEMO_DATA)/vision_multi --num-samples 6000 --seed 5
 	rm -rf $(DEMO_RUN)
 	$(BIN)/torchrun --standalone --nproc_per_node 2 scripts/pretrain_vision.py --objective multilabel \
 		--shards $(TOWER_SHARDS) --eval-shards $(DEMO_DATA)/vision/eval --steps $(TOWER_STEPS) \
@@ -156,7 +158,7 @@ demo: venv demo-shards
 	$(BIN)/python scripts/score_table.py $(DEMO_RUN)/eval --tasks-dir $(EVAL_DIR)
 	$(BIN)/python scripts/show_concepts.py --model $(DEMO_RUN)/stage2/hf --shards '$(DEMO_DATA)/tasks/eval/*.tar' \
 		--index 0 --out $(DEMO_RUN)/concepts.png --html
-	@echo "shards:        $(DEMO_DATA)/{vision,look_colour,look,look_small,one,tasks}/{train,eval} (manifest.json in each)"
+	@echo "shards:        $(DEMO_DATA)/{vision,vision_multi,look_colour,look,look_small,one,tasks}/{train,eval} (manifest.json in each)"
 	@echo "tower:         $(DEMO_RUN)/tower/tower.safetensors (stage 0; .json: settings, held-out R-precision;"
 	@echo "               probe.json: what it carries, linear probes of colour / shape / position / binding)"
 	@echo "metrics:       $(DEMO_RUN)/stage{1_colour,1,2}/metrics.jsonl (TensorBoard: tb/ beside them)"
@@ -167,18 +169,16 @@ demo: venv demo-shards
 	@echo "concepts:      $(DEMO_RUN)/concepts.png, .html (what the chunker merged in one held-out sample)"
 
 # Its stage 2 also reads 1,000 text-needle haystacks, like those `make needles` trains on. Its stage 0 keeps the
-# caption words alone (REGION_LABELS empty), as measured in docs/benchmarks.md: with region labels it is
-# not measured yet.
+# caption words alone (REGION_LABELS empty), as measured in docs/benchmarks.md, and its model is the text stage's
+# (stage0_text.yaml: projector tokens with the image's summary, initialisation std 0.02, at which tied embeddings
+# learn to copy): the words-alone recipe with a text stage is not measured yet.
 instruct-long: venv
 	test -f $(DEMO_DATA)/scenes_chat/train/manifest.json || $(BIN)/python scripts/make_shards.py \
 		--synthetic scenes_chat --out $(DEMO_DATA)/scenes_chat --num-samples 8000 --eval-samples 200 --seed 1
-	test -f $(DEMO_DATA)/vision_multi/train/manifest.json || $(BIN)/python scripts/make_shards.py \
-		--synthetic scenes --option max_objects=3 --out $(DEMO_DATA)/vision_multi --num-samples 6000 --seed 5
 	test -f $(DEMO_DATA)/needles_long/train/manifest.json || $(TEXT_NEEDLES) \
 		--out $(DEMO_DATA)/needles_long --num-samples 1000 --eval-samples 100 --seed 8
 	$(MAKE) demo DEMO_RUN=runs/instruct-long STAGE2=scripts/configs/stage2_long.yaml TEXT_STAGE=1 TEXT_STEPS=2500 \
 		REGION_LABELS= \
-		TOWER_SHARDS="$(DEMO_DATA)/vision/train $(DEMO_DATA)/vision_multi/train" \
 		STAGE2_SHARDS=$(STAGE2_SHARDS),$(DEMO_DATA)/scenes_chat/train,$(DEMO_DATA)/needles_long/train
 
 # Needles in text: the language model learns to copy (scripts/configs/stage0_text.yaml: "repeat the line that starts

@@ -28,7 +28,7 @@ def test_stages_chain_through_their_exports(tmp_path):
     # stage 1a: the baseline preset, the tower's settings of stage1_colour.yaml, the tower of {out}, the arm's shape
     over = first["model"]["overrides"]
     assert first["model"]["preset"] == "tiny-moe" and "init_from" not in first["model"]
-    assert over["vision_stem"] == "conv" and over["freeze_vision"] is True and over["vision_summary"] is True
+    assert over["vision_stem"] == "conv" and over["freeze_vision"] is True and over["vision_words"] is True
     assert over["vision_weights"] == str(tmp_path / "out" / "tower" / "tower.safetensors")
     assert (
         over["target_r"] == 2.0

@@ -1,6 +1,7 @@
 """The shipped recipe's stages (as ``make demo`` runs them) end to end at toy size: stage 0 pretrains the tower on
-caption words (``scripts/pretrain_vision.py --objective multilabel``, the tower ``stage1_colour.yaml`` names),
-stage 1a (``scripts/configs/stage1_colour.yaml``) loads it, frozen, with its summary pool, and trains on one-object
+caption words and region labels (``scripts/pretrain_vision.py --objective multilabel --region-labels 10``, the tower
+``stage1_colour.yaml`` names), stage 1a (``scripts/configs/stage1_colour.yaml``) loads it, frozen, with its word head
+(image tokens are its words alone: no projector), and trains on one-object
 questions written with the generator's options, stage 1b (``stage1.yaml``) and stage 2 (``stage2.yaml``) each start
 from the HF export before them with the tower still as pretrained; ``stage2_long.yaml`` validates. The shard lists
 the YAMLs name are the ones ``make demo`` makes and passes to each stage."""
@@ -61,7 +62,8 @@ def test_stage1_then_stage2_train_and_export_at_toy_size(tmp_path):
     tower = tmp_path / "tower.safetensors"
     overrides = load_config(str(CONFIGS / "stage1_colour.yaml"))["model"]["overrides"]
     stage1_tower = {k: v for k, v in overrides.items() if k in TOWER_FIELDS}  # stage 0 builds the tower stage 1a loads
-    assert stage1_tower["vision_stem"] == "conv" and overrides["vision_summary"] is True
+    assert stage1_tower["vision_stem"] == "conv" and overrides["vision_words"] is True
+    assert overrides["vision_projector"] is False and overrides["vision_summary"] is False
     cmd = [
         sys.executable,
         str(ROOT / "scripts" / "pretrain_vision.py"),
@@ -76,6 +78,8 @@ def test_stage1_then_stage2_train_and_export_at_toy_size(tmp_path):
         "8",
         "--warmup",
         "1",
+        "--region-labels",
+        "10",
         "--out",
         str(tower),
     ]
@@ -95,12 +99,15 @@ def test_stage1_then_stage2_train_and_export_at_toy_size(tmp_path):
     assert [s["step"] for s in steps if "loss" in s] == [1, 2] and any("eval_loss" in s for s in steps)
     long, short = (load_config(str(CONFIGS / name))["train"] for name in ("stage2_long.yaml", "stage2.yaml"))
     assert long["max_steps"] > short["max_steps"] and long["save_every"] <= long["max_steps"]
-    pretrained = load_file(str(tower))
-    for name in ("stage1_colour", "stage1", "stage2"):  # each stage exports stage 0's tower and pool, untouched
-        exported = ConceptMoEVLM.from_pretrained(str(tmp_path / name / "hf")).vision_tower.state_dict()
-        assert len(exported) == len(pretrained), name
+    # each stage exports stage 0's tower and word head, untouched (the summary pool stays behind: vision_summary off)
+    pretrained = {k: v for k, v in load_file(str(tower)).items() if not k.startswith("summary_pool.")}
+    assert any(k.startswith("word_head.") for k in pretrained)
+    for name in ("stage1_colour", "stage1", "stage2"):
+        model = ConceptMoEVLM.from_pretrained(str(tmp_path / name / "hf"))
+        exported = model.vision_tower.state_dict()
+        assert len(exported) == len(pretrained) and model.projector is None, name
         for k, v in pretrained.items():
-            assert torch.equal(exported[k if k.startswith("summary_pool.") else "model." + k], v), (name, k)
+            assert torch.equal(exported[k if k.startswith("word_head.") else "model." + k], v), (name, k)
 
 
 def test_make_demo_passes_each_stage_its_yaml_shards_and_makes_them():
