@@ -35,16 +35,16 @@ test: venv
 	$(LINT) && $(BIN)/python -m pytest -q tests
 
 # The main job, end to end on CPU: synthetic shards -> stage 0 (the vision tower alone learns the words of the
-# captions of scenes of 1-3 objects as labels: scripts/pretrain_vision.py --objective multilabel, conv stem, 128
-# wide; with --region-labels 10 each patch inside an object's box learns that object's words, and the tower's word
-# head names every object) -> stage 1a (the language model, tower frozen, on the colour of one large object: colour
-# first, docs/seeing.md; each image token is the embeddings of its patches' words alone: vision_words, no
-# projector) -> stage 1b (from 1a's export: colour / shape / position questions about one object, large or small:
-# learn to look) -> stage 2 (all but the tower, at a lower lr: the eval tasks' conversations, one-object scenes of every size and
-# question type, and more colour / shape / position questions on small single objects, loss on the answers) with
-# 2-process DeepSpeed -> HF exports -> per-modality R report -> lmms-eval on the five local tasks through the
-# conceptmoe plugin (chat template) -> per-task R report -> score table (score, chance, R per modality) -> the
-# concepts of one held-out sample (scripts/show_concepts.py: runs/demo/concepts.png, .html).
+# captions of scenes of 1-3 objects as labels: scripts/pretrain_vision.py --objective multilabel, conv stem, 128 wide;
+# with --region-labels 10 each patch inside an object's box learns that object's words, and the tower's word head
+# names every object) -> stage 1a (the language model, tower frozen, on the colour of one large object: colour first,
+# docs/seeing.md; each image token is the embeddings of its patches' words alone: vision_words, no projector) -> stage
+# 1b (from 1a's export: colour / shape / position questions about one object, large or small: learn to look) -> stage
+# 2 (all but the tower, at a lower lr: the eval tasks' conversations, one-object scenes of every size and question
+# type, and more colour / shape / position questions on small single objects, loss on the answers) with 2-process
+# DeepSpeed -> HF exports -> per-modality R report -> lmms-eval on the five local tasks through the conceptmoe plugin
+# (chat template) -> per-task R report -> score table (score, chance, R per modality) -> the concepts of one held-out
+# sample (scripts/show_concepts.py: runs/demo/concepts.png, .html).
 # `make instruct-long` is the same recipe with a text stage before stage 1a (TEXT_STAGE=1: it learns to copy) and a
 # longer stage 2 with text needles (scripts/configs/stage2_long.yaml; 55 min in all), on caption words alone and
 # projector tokens (its text stage's model).
