@@ -51,8 +51,10 @@ test: venv
 DEMO_DATA := data/demo
 DEMO_RUN := runs/demo
 STAGE2 := scripts/configs/stage2.yaml
-# The stages train on the shards made under $(DEMO_DATA) (the YAMLs' own shard lists name data/demo).
-STAGE2_SHARDS = $(DEMO_DATA)/tasks/train,$(DEMO_DATA)/one/train,$(DEMO_DATA)/look_small/train
+# The stages train on the shards made under $(DEMO_DATA) (the YAMLs' own shard lists name data/demo): stage 1b's and
+# stage 2's, each with count questions on scenes of 1-5 objects (count_multi; docs/seeing.md, "Counting").
+STAGE1_SHARDS = $(DEMO_DATA)/look/train,$(DEMO_DATA)/look_small/train,$(DEMO_DATA)/count_multi/train
+STAGE2_SHARDS = $(DEMO_DATA)/tasks/train,$(DEMO_DATA)/one/train,$(DEMO_DATA)/look_small/train,$(DEMO_DATA)/count_multi/train
 # Extra `--set` overrides for stage 1a, which builds the model, and stage 2 (stages 1b and 2 inherit the model from
 # the export before them), e.g. make demo STAGE2_SET="--set train.max_steps=550"; a second seed: make demo SEED=1
 STAGE1_SET ?=
@@ -82,10 +84,14 @@ TOWER_SHARDS ?= $(DEMO_DATA)/vision/train $(DEMO_DATA)/vision_multi/train
 # `make demo` has no minutes for it (docs/seeing.md, "Copying a needle").
 TEXT_STAGE ?=
 TEXT_STEPS ?= 3000
+# Extra `--set` overrides for the text stage, which then builds the model (instruct-long: the words-alone tokens).
+TEXT_SET ?=
+WORDS_SET := --set model.overrides.vision_words=true --set model.overrides.vision_projector=false \
+	--set model.overrides.vision_summary=false
 TEXT_CMD = $(DS) --config scripts/configs/stage0_text.yaml --out $(DEMO_RUN)/stage0_text \
 	--set 'data.shards=[$(DEMO_DATA)/copying/train]' --set 'data.eval_shards=[$(DEMO_DATA)/copying/eval]' \
 	--set model.overrides.vision_weights=$(DEMO_RUN)/tower/tower.safetensors --set train.max_steps=$(TEXT_STEPS) \
-	--set train.seed=$(SEED)
+	--set train.seed=$(SEED) $(TEXT_SET)
 FROM_TEXT = --set model.init_from=$(DEMO_RUN)/stage0_text/hf \
 	--set 'model.overrides={"freeze_vision": true, "freeze_backbone": false}'
 COPYING_SHARDS = test -f $(DEMO_DATA)/copying/train/manifest.json || $(BIN)/python scripts/make_shards.py \
@@ -121,6 +127,8 @@ demo-shards: venv
 	test -f $(DEMO_DATA)/tasks/train/manifest.json || $(BIN)/python scripts/make_shards.py \
 		--synthetic scenes_chat,documents_chat,needles_chat --option min_units=4 --option max_units=9 \
 		--out $(DEMO_DATA)/tasks --num-samples $(TASK_SAMPLES) --seed 0 --max-count 250
+	test -f $(DEMO_DATA)/count_multi/train/manifest.json || $(BIN)/python scripts/make_shards.py --synthetic scenes_chat \
+		--option types=count --out $(DEMO_DATA)/count_multi --num-samples 3000 --seed 11 --max-count 250
 demo: venv demo-shards
 	test -f $(DEMO_DATA)/vision/train/manifest.json || $(BIN)/python scripts/make_shards.py --synthetic scenes \
 		--option max_objects=1 --option object_size=0.12,0.95 --out $(DEMO_DATA)/vision --num-samples 6000 --seed 3
@@ -142,7 +150,7 @@ demo: venv demo-shards
 		$(if $(TEXT_STAGE),$(FROM_TEXT))
 	$(DS) --config scripts/configs/stage1.yaml --out $(DEMO_RUN)/stage1 \
 		--set model.init_from=$(DEMO_RUN)/stage1_colour/hf \
-		--set 'data.shards=[$(DEMO_DATA)/look/train,$(DEMO_DATA)/look_small/train]' \
+		--set 'data.shards=[$(STAGE1_SHARDS)]' \
 		--set train.seed=$(SEED)
 	$(DS) --config $(STAGE2) --out $(DEMO_RUN)/stage2 --set model.init_from=$(DEMO_RUN)/stage1/hf \
 		--set 'data.shards=[$(STAGE2_SHARDS)]' --set 'data.eval_shards=[$(DEMO_DATA)/tasks/eval]' \
@@ -158,7 +166,7 @@ demo: venv demo-shards
 	$(BIN)/python scripts/score_table.py $(DEMO_RUN)/eval --tasks-dir $(EVAL_DIR)
 	$(BIN)/python scripts/show_concepts.py --model $(DEMO_RUN)/stage2/hf --shards '$(DEMO_DATA)/tasks/eval/*.tar' \
 		--index 0 --out $(DEMO_RUN)/concepts.png --html
-	@echo "shards:        $(DEMO_DATA)/{vision,vision_multi,look_colour,look,look_small,one,tasks}/{train,eval} (manifest.json in each)"
+	@echo "shards:        $(DEMO_DATA)/{vision,vision_multi,look_colour,look,look_small,one,tasks,count_multi}/{train,eval} (manifest.json in each)"
 	@echo "tower:         $(DEMO_RUN)/tower/tower.safetensors (stage 0; .json: settings, held-out R-precision;"
 	@echo "               probe.json: what it carries, linear probes of colour / shape / position / binding)"
 	@echo "metrics:       $(DEMO_RUN)/stage{1_colour,1,2}/metrics.jsonl (TensorBoard: tb/ beside them)"
@@ -168,18 +176,19 @@ demo: venv demo-shards
 	@echo "scores:        $(DEMO_RUN)/eval/score_table.md (score, chance, eval-mode R total / text / image)"
 	@echo "concepts:      $(DEMO_RUN)/concepts.png, .html (what the chunker merged in one held-out sample)"
 
-# Its stage 2 also reads 1,000 text-needle haystacks, like those `make needles` trains on. Its stage 0 keeps the
-# caption words alone (REGION_LABELS empty), as measured in docs/benchmarks.md, and its model is the text stage's
-# (stage0_text.yaml: projector tokens with the image's summary, initialisation std 0.02, at which tied embeddings
-# learn to copy): the words-alone recipe with a text stage is not measured yet.
+# Its stage 2 also reads 1,000 text-needle haystacks, like those `make needles` trains on. Its model is the text
+# stage's (stage0_text.yaml, initialisation std 0.02, at which tied embeddings learn to copy) with `make demo`'s
+# image tokens, the word head's words alone (WORDS_SET; stage 0 with --region-labels 10): after 2,500 copy steps
+# at 0.02 those words bind colour to shape (docs/seeing.md, "Copying, then binding"); stages 1b and 2 keep the
+# shards they were measured with before the demo's count_multi (stage 2 has scenes_chat's count questions).
 instruct-long: venv
 	test -f $(DEMO_DATA)/scenes_chat/train/manifest.json || $(BIN)/python scripts/make_shards.py \
 		--synthetic scenes_chat --out $(DEMO_DATA)/scenes_chat --num-samples 8000 --eval-samples 200 --seed 1
 	test -f $(DEMO_DATA)/needles_long/train/manifest.json || $(TEXT_NEEDLES) \
 		--out $(DEMO_DATA)/needles_long --num-samples 1000 --eval-samples 100 --seed 8
 	$(MAKE) demo DEMO_RUN=runs/instruct-long STAGE2=scripts/configs/stage2_long.yaml TEXT_STAGE=1 TEXT_STEPS=2500 \
-		REGION_LABELS= \
-		STAGE2_SHARDS=$(STAGE2_SHARDS),$(DEMO_DATA)/scenes_chat/train,$(DEMO_DATA)/needles_long/train
+		TEXT_SET="$(WORDS_SET)" STAGE1_SHARDS=$(DEMO_DATA)/look/train,$(DEMO_DATA)/look_small/train \
+		STAGE2_SHARDS=$(DEMO_DATA)/tasks/train,$(DEMO_DATA)/one/train,$(DEMO_DATA)/look_small/train,$(DEMO_DATA)/scenes_chat/train,$(DEMO_DATA)/needles_long/train
 
 # Needles in text: the language model learns to copy (scripts/configs/stage0_text.yaml: "repeat the line that starts
 # with ...", tied input / output embeddings, 3,000 steps), then to find a needle and restate its sentence
