@@ -53,8 +53,10 @@ DEMO_RUN := runs/demo
 STAGE2 := scripts/configs/stage2.yaml
 # The stages train on the shards made under $(DEMO_DATA) (the YAMLs' own shard lists name data/demo): stage 1b's and
 # stage 2's, each with count questions on scenes of 1-5 objects (count_multi; docs/seeing.md, "Counting").
-STAGE1_SHARDS = $(DEMO_DATA)/look/train,$(DEMO_DATA)/look_small/train,$(DEMO_DATA)/count_multi/train
-STAGE2_SHARDS = $(DEMO_DATA)/tasks/train,$(DEMO_DATA)/one/train,$(DEMO_DATA)/look_small/train,$(DEMO_DATA)/count_multi/train
+LOOK_SHARDS = $(DEMO_DATA)/look/train,$(DEMO_DATA)/look_small/train
+TASK_SHARDS = $(DEMO_DATA)/tasks/train,$(DEMO_DATA)/one/train,$(DEMO_DATA)/look_small/train
+STAGE1_SHARDS = $(LOOK_SHARDS),$(DEMO_DATA)/count_multi/train
+STAGE2_SHARDS = $(TASK_SHARDS),$(DEMO_DATA)/count_multi/train
 # Extra `--set` overrides for stage 1a, which builds the model, and stage 2 (stages 1b and 2 inherit the model from
 # the export before them), e.g. make demo STAGE2_SET="--set train.max_steps=550"; a second seed: make demo SEED=1
 STAGE1_SET ?=
@@ -187,8 +189,8 @@ instruct-long: venv
 	test -f $(DEMO_DATA)/needles_long/train/manifest.json || $(TEXT_NEEDLES) \
 		--out $(DEMO_DATA)/needles_long --num-samples 1000 --eval-samples 100 --seed 8
 	$(MAKE) demo DEMO_RUN=runs/instruct-long STAGE2=scripts/configs/stage2_long.yaml TEXT_STAGE=1 TEXT_STEPS=2500 \
-		TEXT_SET="$(WORDS_SET)" STAGE1_SHARDS=$(DEMO_DATA)/look/train,$(DEMO_DATA)/look_small/train \
-		STAGE2_SHARDS=$(DEMO_DATA)/tasks/train,$(DEMO_DATA)/one/train,$(DEMO_DATA)/look_small/train,$(DEMO_DATA)/scenes_chat/train,$(DEMO_DATA)/needles_long/train
+		TEXT_SET="$(WORDS_SET)" STAGE1_SHARDS=$(LOOK_SHARDS) \
+		STAGE2_SHARDS=$(TASK_SHARDS),$(DEMO_DATA)/scenes_chat/train,$(DEMO_DATA)/needles_long/train
 
 # Needles in text: the language model learns to copy (scripts/configs/stage0_text.yaml: "repeat the line that starts
 # with ...", tied input / output embeddings, 3,000 steps), then to find a needle and restate its sentence

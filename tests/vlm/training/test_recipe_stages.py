@@ -113,16 +113,19 @@ def test_stage1_then_stage2_train_and_export_at_toy_size(tmp_path):
 def test_make_demo_passes_each_stage_its_yaml_shards_and_makes_them():
     makefile = (ROOT / "Makefile").read_text().replace("$(DEMO_DATA)", "data/demo")
     made = set(re.findall(r"--out data/demo/(\w+)", makefile))
-    lists = {
-        f"$({name})": re.search(rf"^{name} = (\S+)$", makefile, re.M).group(1)
-        for name in ("STAGE1_SHARDS", "STAGE2_SHARDS")
-    }
+    variables = dict(re.findall(r"^(\w+) = (\S+)$", makefile, re.M))
+
+    def expand(value: str) -> str:  # the Makefile's $(NAME) references to its `NAME = ...` lines, as make does
+        return re.sub(
+            r"\$\((\w+)\)", lambda m: expand(variables[m.group(1)]) if m.group(1) in variables else m.group(0), value
+        )
+
     configs = {"scripts/configs/stage1_colour.yaml", "scripts/configs/stage1.yaml", "$(STAGE2)"}
     passed = {}  # each `$(DS)` command of the demo recipe: its --config -> the shard list it passes
     demo = makefile[makefile.index("\ndemo:") : makefile.index("\ninstruct-long:")]
     for command in demo.split("$(DS) ")[1:]:
         shards = re.search(r"--set 'data\.shards=\[([^\]]*)\]'", command).group(1)
-        passed[re.match(r"--config (\S+)", command).group(1)] = lists.get(shards, shards).split(",")
+        passed[re.match(r"--config (\S+)", command).group(1)] = expand(shards).split(",")
     text_cmd = makefile[makefile.index("\nTEXT_CMD = ") : makefile.index("\nFROM_TEXT = ")]  # TEXT_STAGE=1's stage
     assert "$(if $(TEXT_STAGE),$(COPYING_SHARDS) && $(TEXT_CMD))" in makefile and "--config" in text_cmd
     passed["scripts/configs/stage0_text.yaml"] = re.search(r"data\.shards=\[([^\]]*)\]", text_cmd).group(1).split(",")
