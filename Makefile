@@ -39,9 +39,10 @@ test: venv
 # with --region-labels 10 each patch inside an object's box learns that object's words, and the tower's word head
 # names every object) -> stage 1a (the language model, tower frozen, on the colour of one large object: colour first,
 # docs/seeing.md; each image token is the embeddings of its patches' words alone: vision_words, no projector) -> stage
-# 1b (from 1a's export: colour / shape / position questions about one object, large or small: learn to look) -> stage
-# 2 (all but the tower, at a lower lr: the eval tasks' conversations, one-object scenes of every size and question
-# type, and more colour / shape / position questions on small single objects, loss on the answers) with 2-process
+# 1b (from 1a's export: colour / shape / position questions about one object, large or small: learn to look; count
+# questions on 1-5 objects) -> stage 2 (all but the tower, at a lower lr: the eval tasks' conversations, one-object
+# scenes of every size and question type, more colour / shape / position questions on small single objects and
+# count questions on 1-5 objects, loss on the answers) with 2-process
 # DeepSpeed -> HF exports -> per-modality R report -> lmms-eval on the five local tasks through the conceptmoe plugin
 # (chat template) -> per-task R report -> score table (score, chance, R per modality) -> the concepts of one held-out
 # sample (scripts/show_concepts.py: runs/demo/concepts.png, .html).
