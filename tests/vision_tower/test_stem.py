@@ -22,7 +22,8 @@ def test_each_patch_is_convolved_as_the_image_crop_it_came_from():
         for n, (y, x) in enumerate(coord_N2.tolist()):
             crop = image_3HW[:, y * p : (y + 1) * p, x * p : (x + 1) * p][None]
             want = stem.out(stem.convs(crop).flatten(1))[0]
-            torch.testing.assert_close(out_1ND[0, n], want, atol=1e-6, rtol=0)
+            # the batched and the one-crop convolution sum in another order: float32 rounding, not a wrong pixel
+            torch.testing.assert_close(out_1ND[0, n], want, atol=1e-5, rtol=1e-5)
         changed = patches_1NP.clone()
         changed[0, 3] += 1.0
         moved = (stem(changed) - out_1ND).abs().amax(-1)[0]
