@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default=defaults.preset, help="tiny-moe (no chunking) or tiny (ConceptMoE)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=JSON", help="a model override")
-    parser.add_argument("--types", default="colour", help="question types: colour,shape,position,count,needle")
+    parser.add_argument("--types", default="colour", help="question types: colour,shape,position,count,box,needle")
     parser.add_argument("--stage", action="append", type=parse_stage, help="a curriculum stage (repeatable)")
     ints = ("steps", "rows", "seq_len", "warmup", "max_patches", "eval_every", "eval_n", "eval_objects", "seed")
     ints += ("copy_steps",)  # copy rows for the language model alone first (content-addressed copying, needles)

@@ -41,6 +41,7 @@ from data_pipelines.tokenizer import load_tokenizer
 from vision_tower import ImageProcessor
 from vlm import ConceptMoEVLM, ConceptMoEVLMConfig, VLMProcessor
 from vlm.training.copy_probe import CopyProbeConfig, CopyScore, train_copying
+from vlm.training.probe_boxes import box_hit, greedy_tails, mean_box_chance
 from vlm.training.vision_pretraining import region_targets
 
 
@@ -110,7 +111,7 @@ def scene_questions(
         streams.append(
             sample
             for sample in _endless("scenes_chat", split, seed, max_objects=max_objects, object_size=object_size)
-            if sample.meta["task"] == "sceneqa" and sample.meta["type"] in types
+            if sample.meta["task"] in ("sceneqa", "refloc") and question_type(sample) in types
         )
     if scene_types and cfg.scene_input == "text":
         streams = [map(scene_as_text, stream) for stream in streams]
@@ -141,7 +142,15 @@ def _endless(kind: str, split: str, seed: int, **options) -> Iterator[Sample]:
         block += 1
 
 
-QUESTION_TYPES = ("colour", "shape", "position", "count", "needle")
+QUESTION_TYPES = ("colour", "shape", "position", "count", "box", "needle")
+
+
+def question_type(sample: Sample) -> str:
+    """A probe item's question type: its ``qa`` type; ``box`` for a refloc conversation (scored by IoU,
+    ``vlm.training.probe_boxes``)."""
+    return "box" if sample.meta["task"] == "refloc" else sample.meta["type"]
+
+
 # what a scene question shows of its scene: the image (its tokens' words, with ``vision_words``, from the tower's
 # word head); the image, its tokens' words the ground truth (``true_words``: each patch inside an object's box says
 # that object's words, a perfect word head); or no image, its objects written out as text (``text``)
@@ -282,9 +291,10 @@ class SeeingProbe:
 
     @torch.no_grad()
     def score(self, step: int, loss: float, started: float) -> ProbeScore:
-        """Greedy exact match on the held-out items, per question type, with chance and eval-mode R."""
+        """Greedy exact match on the held-out items, per question type (box answers: greedy decoding, a hit at IoU
+        >= 0.5), with chance and eval-mode R."""
         self.model.eval()
-        right, answers, truths = Counter(), {}, {}
+        right, answers, truths, boxes = Counter(), {}, {}, []
         tokens, concepts = Counter(), Counter()
         for i in range(0, len(self.eval_items), 32):
             items = self.eval_items[i : i + 32]
@@ -292,8 +302,12 @@ class SeeingProbe:
             images = [[_pil(seg.image) for t in s.turns for seg in t.segments if seg.image is not None] for s in items]
             batch = self.processor(text=texts, images=images)
             answer_len = [len(self.encoder.text_ids(s.qa[0]["a"])) + 1 for s in items]  # + <|end|>
+            kinds = [question_type(s) for s in items]
+            starts = [int(batch["attention_mask"][r].sum()) - answer_len[r] for r in range(len(items))]
             with self.words_for(batch, [s.meta.get("regions", []) for s in items]):
                 out = self.model(**batch)
+                if "box" in kinds:  # box answers: the model's own greedy tokens, scored by IoU
+                    tails = greedy_tails(self.model, batch, starts, max(answer_len), self.processor.pad_token_id)
             stats = out.chunk_stats
             tokens.update(stats["tokens_by_modality"])
             concepts.update(stats["concepts_by_modality"])
@@ -302,17 +316,26 @@ class SeeingProbe:
                 end = int(batch["attention_mask"][r].sum())
                 want = batch["input_ids"][r, end - answer_len[r] : end]
                 got = predicted[r, end - answer_len[r] - 1 : end - 1]
-                kind = sample.meta["type"]
-                right[kind] += bool((got == want).all())
-                answers.setdefault(kind, Counter())[tuple(got.tolist())] += 1
+                kind = kinds[r]
+                if kind == "box":
+                    said = self.processor.tokenizer.decode(tails[r].tolist()).split("<|end|>")[0]
+                    right[kind] += box_hit(said, sample.qa[0]["box"])
+                    answers.setdefault(kind, Counter())[said] += 1
+                    boxes.append(sample.qa[0]["box"])
+                else:
+                    right[kind] += bool((got == want).all())
+                    answers.setdefault(kind, Counter())[tuple(got.tolist())] += 1
                 truths.setdefault(kind, Counter())[sample.qa[0]["a"]] += 1
         self.model.train()
         total = {k: sum(c.values()) for k, c in truths.items()}
+        chance = {k: round(max(truths[k].values()) / total[k], 3) for k in sorted(total)}
+        if boxes:
+            chance["box"] = round(mean_box_chance(boxes), 3)
         return ProbeScore(
             step=step,
             loss=round(loss, 4),
             accuracy={k: round(right[k] / total[k], 3) for k in sorted(total)},
-            chance={k: round(max(truths[k].values()) / total[k], 3) for k in sorted(total)},
+            chance=chance,
             distinct={k: len(answers[k]) for k in sorted(total)},
             r={
                 "total": _ratio(sum(tokens.values()), sum(concepts.values())),
