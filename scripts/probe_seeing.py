@@ -9,7 +9,8 @@
 TYPES, comma-separated: the question types trained in that stage, default all of ``--types``; all are scored).
 Prints one JSON line per evaluation (accuracy and chance per question type, eval-mode R per modality) and, with
 ``--out``, appends them there. ``--types box`` asks cmoe_refloc's box questions (scored on the greedy answer: a
-hit at IoU >= 0.5, chance the mean box's hit rate; ``vlm.training.probe_boxes``). ``--copy-steps N`` first trains the language model alone on N steps of copy rows
+hit at IoU >= 0.5, chance the mean box's hit rate; ``vlm.training.probe_boxes``). ``--copy-steps N`` first trains
+the language model alone on N steps of copy rows
 (``vlm.training.copy_probe``; printed as ``{"copy": ...}`` lines), what a needle answer needs. ``--scene-input``
 ``true_words`` gives the image tokens their objects' true words (a perfect word head), ``text`` writes the scene
 out in place of its image: the same question on perfect tokens, or as reading comprehension. The rows of
