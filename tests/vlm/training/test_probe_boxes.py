@@ -63,3 +63,14 @@ def test_greedy_tails_equal_one_row_decoded_alone_token_by_token():
             want.append(int(token))
             ids = torch.cat([ids, token.view(1, 1)], 1)
         assert tails[r].tolist() == want, r
+
+
+def test_the_probe_scores_box_questions_by_iou_beside_exact_match_ones():
+    """A probe over box and colour questions scores both: the box by the IoU of its greedy answer (a random model's
+    boxes miss), with the mean box's hit rate as chance, next to colour's exact match."""
+    probe = SeeingProbe(ProbeConfig(types=("box", "colour"), steps=1, eval_n=12, seed=2))
+    (score,) = probe.run()
+    assert set(score.accuracy) == set(score.chance) == {"box", "colour"}
+    boxes = [s.qa[0]["box"] for s in probe.eval_items if question_type(s) == "box"]
+    assert len(boxes) == 6 and score.chance["box"] == round(mean_box_chance(boxes), 3)
+    assert score.accuracy["box"] == 0.0 and score.distinct["box"] >= 1
