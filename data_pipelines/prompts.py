@@ -19,6 +19,7 @@ Answers are the generators' own (``scenes.questions``: lowercase words, digits f
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from data_pipelines.schema import Segment
@@ -88,6 +89,26 @@ def format_box(box: Sequence[float]) -> str:
     if len(box) != 4:
         raise ValueError(f"a box has 4 coordinates, got {list(box)}")
     return "[" + ", ".join(f"{v:.{BOX_DECIMALS}f}" for v in box) + "]"
+
+
+_NUMBER = r"\s*(-?\d+(?:\.\d+)?|-?\.\d+)\s*"
+_BOX = re.compile(r"\[" + ",".join([_NUMBER] * 4) + r"\]")
+
+
+def read_box(text: str) -> list[float] | None:
+    """The first ``[a, b, c, d]`` of numbers in ``text`` (what :func:`format_box` writes); None when there is none."""
+    match = _BOX.search(str(text))
+    return [float(g) for g in match.groups()] if match else None
+
+
+def box_iou(a: Sequence[float], b: Sequence[float]) -> float:
+    """Intersection over union of two ``[x1, y1, x2, y2]`` boxes; 0 when the union is empty."""
+    inter_w = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
+    inter_h = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+    inter = inter_w * inter_h
+    area = lambda box: max(0.0, box[2] - box[0]) * max(0.0, box[3] - box[1])  # noqa: E731
+    union = area(a) + area(b) - inter
+    return inter / union if union > 0 else 0.0
 
 
 # ----------------------------------------------------------------------------------------------------------------

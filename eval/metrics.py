@@ -20,11 +20,11 @@ import re
 import statistics
 from collections.abc import Iterable, Sequence
 
+from data_pipelines.prompts import box_iou, read_box
+
 ANLS_THRESHOLD = 0.5
 ACC_THRESHOLDS = (0.1, 0.3, 0.5, 0.7, 0.9)
 BOX_METRICS = ("IoU", *(f"ACC@{t}" for t in ACC_THRESHOLDS), "Center_ACC")
-_NUMBER = r"\s*(-?\d+(?:\.\d+)?|-?\.\d+)\s*"
-_BOX = re.compile(r"\[" + ",".join([_NUMBER] * 4) + r"\]")
 _EDGE_PUNCT = "\"'`.,;:!?()[]{}<> "
 
 
@@ -90,18 +90,7 @@ def needle_found(prediction: str, answer: str) -> float:
 
 def parse_box(text: str) -> list[float]:
     """The first ``[a, b, c, d]`` of numbers in ``text``; ``[0, 0, 0, 0]`` when there is none (as refcoco)."""
-    match = _BOX.search(str(text))
-    return [float(g) for g in match.groups()] if match else [0.0, 0.0, 0.0, 0.0]
-
-
-def box_iou(a: Sequence[float], b: Sequence[float]) -> float:
-    """Intersection over union of two ``[x1, y1, x2, y2]`` boxes; 0 when the union is empty."""
-    inter_w = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
-    inter_h = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
-    inter = inter_w * inter_h
-    area = lambda box: max(0.0, box[2] - box[0]) * max(0.0, box[3] - box[1])
-    union = area(a) + area(b) - inter
-    return inter / union if union > 0 else 0.0
+    return read_box(text) or [0.0, 0.0, 0.0, 0.0]
 
 
 def center_hit(gt: Sequence[float], pred: Sequence[float]) -> float:

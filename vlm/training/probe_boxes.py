@@ -9,28 +9,14 @@ reports as its chance the hit rate of the mean of the held-out boxes.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 import torch
 
-_BOX = re.compile(r"\[\s*(-?\d*\.?\d+)\s*,\s*(-?\d*\.?\d+)\s*,\s*(-?\d*\.?\d+)\s*,\s*(-?\d*\.?\d+)\s*\]")
+from data_pipelines.prompts import box_iou, read_box
+
 HIT_IOU = 0.5  # cmoe_refloc's ACC@0.5
 TOKEN_KEYS = ("input_ids", "attention_mask", "modality_ids")  # the processor's per-token tensors
-
-
-def read_box(text: str) -> list[float] | None:
-    """The first ``[a, b, c, d]`` of numbers in ``text``; None when there is none."""
-    match = _BOX.search(text)
-    return [float(g) for g in match.groups()] if match else None
-
-
-def box_iou(a: Sequence[float], b: Sequence[float]) -> float:
-    """Intersection over union of two ``[x1, y1, x2, y2]`` boxes (0 when the union is empty)."""
-    inter = max(0.0, min(a[2], b[2]) - max(a[0], b[0])) * max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
-    area = lambda box: max(0.0, box[2] - box[0]) * max(0.0, box[3] - box[1])  # noqa: E731
-    union = area(a) + area(b) - inter
-    return inter / union if union > 0 else 0.0
 
 
 def box_hit(text: str, truth: Sequence[float]) -> bool:
