@@ -14,7 +14,7 @@ export HF_DATASETS_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv test demo demo-shards instruct-long needles demo-backbone bench lint format clean study study-staged spatial spatial-staged
+.PHONY: venv test demo demo-shards demo-eval instruct-long needles demo-backbone bench lint format clean study study-staged spatial spatial-staged
 
 venv: $(STAMP)
 
@@ -106,7 +106,8 @@ TEXT_NEEDLES = $(BIN)/python scripts/make_shards.py --synthetic needles_chat --o
 NEEDLE_SHARDS = test -f $(DEMO_DATA)/needles_text/train/manifest.json || $(TEXT_NEEDLES) \
 	--out $(DEMO_DATA)/needles_text --num-samples 4000 --eval-samples 200 --seed 7
 TASK_SAMPLES := 1000
-EVAL_LIMIT := 200
+# Every doc of every task (the largest, cmoe_sceneqa_one, has 800).
+EVAL_LIMIT := 800
 EVAL_TASKS := cmoe_sceneqa_one,cmoe_sceneqa,cmoe_refloc,cmoe_niah,cmoe_longdoc
 # The task definitions plus their generated data (data/ is git-ignored), relative to the repository root.
 EVAL_DIR := eval/tasks
@@ -159,14 +160,7 @@ demo: venv demo-shards
 		--set 'data.shards=[$(STAGE2_SHARDS)]' --set 'data.eval_shards=[$(DEMO_DATA)/tasks/eval]' \
 		--set train.seed=$(SEED) $(STAGE2_SET)
 	$(BIN)/python scripts/r_report.py $(DEMO_RUN)/stage2
-	test -f $(EVAL_DIR)/cmoe_sceneqa_one/data/test.jsonl || $(BIN)/python scripts/make_eval_data.py \
-		--out $(EVAL_DIR) --longdoc-pages 1,4 --longdoc-per-bucket 50 --niah-lengths short --niah-per-bucket 100 \
-		--refloc-n 200 --sceneqa-n 60 --sceneqa-one-n 50
-	$(BIN)/python -m lmms_eval --model conceptmoe --model_args pretrained=$(DEMO_RUN)/stage2/hf \
-		--tasks $(EVAL_TASKS) --include_path $(EVAL_DIR) --batch_size 8 --limit $(EVAL_LIMIT) \
-		--output_path $(DEMO_RUN)/eval --log_samples --verbosity DEBUG
-	$(BIN)/python scripts/r_report.py $(DEMO_RUN)/eval
-	$(BIN)/python scripts/score_table.py $(DEMO_RUN)/eval --tasks-dir $(EVAL_DIR)
+	$(MAKE) demo-eval DEMO_RUN=$(DEMO_RUN)
 	$(BIN)/python scripts/show_concepts.py --model $(DEMO_RUN)/stage2/hf --shards '$(DEMO_DATA)/tasks/eval/*.tar' \
 		--index 0 --out $(DEMO_RUN)/concepts.png --html
 	@echo "shards:        $(DEMO_DATA)/{vision,vision_multi,look_colour,look,look_small,one,tasks,count_multi}/{train,eval} (manifest.json in each)"
@@ -178,6 +172,19 @@ demo: venv demo-shards
 	@echo "lmms-eval:     $(DEMO_RUN)/eval (results, samples, R per task: r_report.json / .png)"
 	@echo "scores:        $(DEMO_RUN)/eval/score_table.md (score, chance, eval-mode R total / text / image)"
 	@echo "concepts:      $(DEMO_RUN)/concepts.png, .html (what the chunker merged in one held-out sample)"
+
+# The demo's evaluation alone, of the export $(DEMO_RUN)/stage2/hf (e.g. make demo-eval DEMO_RUN=runs/demo_s1 after a
+# change to the tasks or the plugin): the tasks' data (rebuilt only when missing or built with other sizes), lmms-eval
+# on all of it (200 one-object scenes, each asked colour / shape / position / count: 200 items per question type),
+# the R report per task and the score table.
+demo-eval: venv
+	$(BIN)/python scripts/make_eval_data.py --keep --out $(EVAL_DIR) --longdoc-pages 1,4 --longdoc-per-bucket 50 \
+		--niah-lengths short --niah-per-bucket 100 --refloc-n 200 --sceneqa-n 60 --sceneqa-one-n 200
+	$(BIN)/python -m lmms_eval --model conceptmoe --model_args pretrained=$(DEMO_RUN)/stage2/hf \
+		--tasks $(EVAL_TASKS) --include_path $(EVAL_DIR) --batch_size 8 --limit $(EVAL_LIMIT) \
+		--output_path $(DEMO_RUN)/eval --log_samples --verbosity DEBUG
+	$(BIN)/python scripts/r_report.py $(DEMO_RUN)/eval
+	$(BIN)/python scripts/score_table.py $(DEMO_RUN)/eval --tasks-dir $(EVAL_DIR)
 
 # Its stage 2 also reads 1,000 text-needle haystacks, like those `make needles` trains on. Its stage 0 keeps the
 # caption words alone (REGION_LABELS empty) and its model is the text stage's (stage0_text.yaml: projector tokens
@@ -209,8 +216,8 @@ needles: venv
 	$(DS) --config scripts/configs/stage0_text.yaml --out $(NEEDLES_RUN)/stage0_text --set train.seed=$(SEED)
 	$(DS) --config scripts/configs/stage_needles.yaml --out $(NEEDLES_RUN)/stage_needles \
 		--set model.init_from=$(NEEDLES_RUN)/stage0_text/hf --set train.seed=$(SEED)
-	test -f $(EVAL_DIR)/cmoe_niah/data/test.jsonl || $(BIN)/python scripts/make_eval_data.py --out $(EVAL_DIR) \
-		--tasks cmoe_niah --niah-lengths short --niah-per-bucket 100
+	$(BIN)/python scripts/make_eval_data.py --keep --out $(EVAL_DIR) --tasks cmoe_niah --niah-lengths short \
+		--niah-per-bucket 100
 	$(BIN)/python -m lmms_eval --model conceptmoe --model_args pretrained=$(NEEDLES_RUN)/stage_needles/hf \
 		--tasks cmoe_niah --include_path $(EVAL_DIR) --batch_size 8 --limit $(EVAL_LIMIT) \
 		--output_path $(NEEDLES_RUN)/eval --log_samples --verbosity DEBUG

@@ -294,6 +294,33 @@ def install_task_files(out: Path, task: str) -> None:
             shutil.copyfile(path, dst / path.name)
 
 
+def _task_options(task: str, seed: int, sizes: dict) -> dict:
+    """The options a task's data is built from (what its manifest records as ``options``)."""
+    if task == "cmoe_longdoc":
+        options = {"per_bucket": sizes["longdoc_per_bucket"], "pages": list(sizes["longdoc_pages"])}
+        options["image_max_patches"] = LONGDOC_MAX_PATCHES
+    elif task == "cmoe_niah":
+        lengths = sizes["niah_lengths"]
+        options = {"per_bucket": sizes["niah_per_bucket"], "lengths": {k: NIAH_LENGTHS[k] for k in lengths}}
+    elif task == "cmoe_refloc":
+        options = {"n": sizes["refloc_n"]}
+    else:
+        n = sizes["sceneqa_n"] if task == "cmoe_sceneqa" else sizes["sceneqa_one_n"]
+        options = {"n": n, "types": list(SCENEQA_TYPES), "max_objects": SCENEQA_TASKS[task]}
+    return {"seed": seed, "split": SPLIT, **options}
+
+
+def _kept(data_dir: Path, options: dict) -> dict | None:
+    """The manifest of data already written with ``options`` and intact (its JSONL hashes as recorded), else None."""
+    try:
+        manifest = json.loads((data_dir / "manifest.json").read_text(encoding="utf-8"))
+        text = (data_dir / "test.jsonl").read_bytes()
+    except (OSError, ValueError):
+        return None
+    same = manifest.get("options") == json.loads(json.dumps(options))  # as the manifest stores them (JSON)
+    return manifest if same and manifest.get("jsonl_sha256") == hashlib.sha256(text).hexdigest() else None
+
+
 def write_eval_sets(
     out: str | Path = DEFAULT_OUT,
     seed: int = 0,
@@ -305,33 +332,43 @@ def write_eval_sets(
     refloc_n: int = 200,
     sceneqa_n: int = 200,
     sceneqa_one_n: int = 200,
+    keep: bool = False,
 ) -> dict[str, dict]:
-    """Write the chosen tasks' data (replacing any earlier data of those tasks); returns their manifests."""
+    """Write the chosen tasks' data (replacing any earlier data of those tasks); returns their manifests. ``keep``:
+    leave a task's data as it is when its manifest records the same options and its JSONL is intact (a rerun of
+    the same command costs nothing; other sizes or a seed rebuild it)."""
     out = Path(out)
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise ValueError(f"unknown tasks {unknown}; choose from {list(TASKS)}")
+    sizes = dict(
+        longdoc_per_bucket=longdoc_per_bucket,
+        longdoc_pages=longdoc_pages,
+        niah_per_bucket=niah_per_bucket,
+        niah_lengths=niah_lengths,
+        refloc_n=refloc_n,
+        sceneqa_n=sceneqa_n,
+        sceneqa_one_n=sceneqa_one_n,
+    )
     manifests = {}
     for task in tasks:
-        data_dir = out / task / "data"
+        data_dir, options = out / task / "data", _task_options(task, seed, sizes)
+        if keep and (manifest := _kept(data_dir, options)) is not None:
+            install_task_files(out, task)
+            manifests[task] = manifest
+            continue
         if data_dir.exists():
             shutil.rmtree(data_dir)
         (data_dir / "images").mkdir(parents=True)
         install_task_files(out, task)
         images = data_dir / "images"
         if task == "cmoe_longdoc":
-            options = {"per_bucket": longdoc_per_bucket, "pages": list(longdoc_pages)}
             rows = longdoc_rows(longdoc_per_bucket, seed, longdoc_pages, images)
-            options["image_max_patches"] = LONGDOC_MAX_PATCHES
         elif task == "cmoe_niah":
-            options = {"per_bucket": niah_per_bucket, "lengths": {k: NIAH_LENGTHS[k] for k in niah_lengths}}
             rows = niah_rows(niah_per_bucket, seed, niah_lengths, images)
         elif task == "cmoe_refloc":
-            options = {"n": refloc_n}
             rows = refloc_rows(refloc_n, seed, images)
         else:
-            n = sceneqa_n if task == "cmoe_sceneqa" else sceneqa_one_n
-            options = {"n": n, "types": list(SCENEQA_TYPES), "max_objects": SCENEQA_TASKS[task]}
-            rows = sceneqa_rows(n, seed, images, task)
-        manifests[task] = _write_task(out, task, rows, {"seed": seed, "split": SPLIT, **options})
+            rows = sceneqa_rows(options["n"], seed, images, task)
+        manifests[task] = _write_task(out, task, rows, options)
     return manifests

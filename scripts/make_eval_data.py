@@ -7,6 +7,8 @@ Writes OUT/<task>/data/{test.jsonl,images/,manifest.json} (the manifest with the
 eval/chance.py). OUT defaults to eval/tasks relative to the current directory: run from the repository root, that
 is the project's own task folder (`lmms-eval --include_path eval/tasks`); anywhere else, and for any other --out,
 the task YAML and utils.py are copied next to the data, so that `lmms-eval --include_path OUT` works on its own.
+With --keep a task whose data was built with the same options (its manifest's) and is intact is left as it is:
+`make demo` runs it every time, and data of other sizes, or a seed, is rebuilt.
 Nothing is written into the installed package. See eval/eval_data.py.
 """
 
@@ -40,6 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--refloc-n", type=int, default=200, help="scenes (one expression each)")
     parser.add_argument("--sceneqa-n", type=int, default=200, help="scenes (one question per type each)")
     parser.add_argument("--sceneqa-one-n", type=int, default=200, help="one-object scenes (cmoe_sceneqa_one)")
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="leave a task's data alone when it was built with these same options and is intact (else rebuild it)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     start = time.time()
@@ -55,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             refloc_n=args.refloc_n,
             sceneqa_n=args.sceneqa_n,
             sceneqa_one_n=args.sceneqa_one_n,
+            keep=args.keep,
         )
     except ValueError as err:
         print(f"make_eval_data: error: {err}", file=sys.stderr)

@@ -59,6 +59,27 @@ def test_same_seed_same_bytes_other_seed_other_data(eval_tasks_dir, small_sets, 
         assert (eval_tasks_dir / task / f"{task}.yaml").is_file() and (eval_tasks_dir / task / "utils.py").is_file()
 
 
+def test_keep_leaves_same_options_alone_and_rebuilds_the_rest(small_sets, tmp_path):
+    """``keep`` (make_eval_data.py --keep, which make demo runs every time) skips a task whose manifest records the
+    same options and whose JSONL is intact, and rebuilds one built with other sizes or edited since."""
+    out = tmp_path / "tasks"
+    write_eval_sets(out, seed=0, tasks=["cmoe_refloc", "cmoe_sceneqa_one"], refloc_n=3, sceneqa_one_n=2)
+    refloc = out / "cmoe_refloc" / "data" / "test.jsonl"
+    stamp = refloc.stat().st_mtime_ns
+    kept = write_eval_sets(
+        out, seed=0, tasks=["cmoe_refloc", "cmoe_sceneqa_one"], refloc_n=3, sceneqa_one_n=3, keep=True
+    )
+    assert refloc.stat().st_mtime_ns == stamp and kept["cmoe_refloc"]["docs"] == 3  # same options: untouched
+    assert kept["cmoe_sceneqa_one"]["docs"] == 3 * len(SCENEQA_TYPES)  # other size: rebuilt (4 docs per scene)
+    assert len(_docs(out, "cmoe_sceneqa_one")) == 3 * len(SCENEQA_TYPES)
+    refloc.write_text(refloc.read_text()[:-2])  # a damaged file no longer hashes as recorded: rebuilt
+    write_eval_sets(out, seed=0, tasks=["cmoe_refloc"], refloc_n=3, keep=True)
+    assert len(_docs(out, "cmoe_refloc")) == 3
+    before = _docs(out, "cmoe_refloc")
+    write_eval_sets(out, seed=1, tasks=["cmoe_refloc"], refloc_n=3, keep=True)  # another seed: rebuilt
+    assert _docs(out, "cmoe_refloc") != before
+
+
 def test_buckets_and_fields(eval_tasks_dir):
     longdoc = _docs(eval_tasks_dir, "cmoe_longdoc")
     assert [d["num_pages"] for d in longdoc] == [1, 2] and all(len(d["pages"]) == d["num_pages"] for d in longdoc)
