@@ -14,7 +14,7 @@ export HF_DATASETS_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv test demo demo-shards demo-eval instruct-long needles demo-backbone bench lint format clean study study-staged spatial spatial-staged
+.PHONY: venv test demo demo-shards demo-tower demo-eval instruct-long needles demo-backbone bench lint format clean study study-staged spatial spatial-staged
 
 venv: $(STAMP)
 
@@ -118,7 +118,8 @@ DS := $(BIN)/deepspeed --num_gpus 2 --master_port $(MASTER_PORT) scripts/train_v
 # One-object scene questions (scenes_chat with the generator's options): LOOK = colour / shape / position only.
 ONE := $(BIN)/python scripts/make_shards.py --synthetic scenes_chat --option max_objects=1
 LOOK := --option types=colour,shape,position
-# The shards stages 1 and 2 train on (made beside stage 0 instead, on 2 cores, the demo took 6 s longer).
+# The shards every stage trains on, stage 0's captioned scenes too (the question shards made beside stage 0 instead,
+# on 2 cores, the demo took 6 s longer).
 demo-shards: venv
 	test -f $(DEMO_DATA)/look_colour/train/manifest.json || $(ONE) --option types=colour \
 		--option object_size=0.45,0.95 --out $(DEMO_DATA)/look_colour --num-samples 4000 --seed 4
@@ -133,20 +134,23 @@ demo-shards: venv
 		--out $(DEMO_DATA)/tasks --num-samples $(TASK_SAMPLES) --seed 0 --max-count 250
 	test -f $(DEMO_DATA)/count_multi/train/manifest.json || $(BIN)/python scripts/make_shards.py --synthetic scenes_chat \
 		--option types=count --out $(DEMO_DATA)/count_multi --num-samples 3000 --seed 11 --max-count 250
-demo: venv demo-shards
 	test -f $(DEMO_DATA)/vision/train/manifest.json || $(BIN)/python scripts/make_shards.py --synthetic scenes \
 		--option max_objects=1 --option object_size=0.12,0.95 --out $(DEMO_DATA)/vision --num-samples 6000 --seed 3
 	test -f $(DEMO_DATA)/vision_multi/train/manifest.json || $(BIN)/python scripts/make_shards.py \
 		--synthetic scenes --option max_objects=3 --out $(DEMO_DATA)/vision_multi --num-samples 6000 --seed 5
-	rm -rf $(DEMO_RUN)
-	$(BIN)/torchrun --standalone --nproc_per_node 2 scripts/pretrain_vision.py --objective multilabel \
+# Stage 0 alone, when $(DEMO_RUN)/tower/tower.safetensors is missing, and the linear probes of what it carries: the
+# one command the demo and the staged studies (scripts/configs/study_staged.yaml, spatial_staged.yaml) run for it.
+demo-tower: venv demo-shards
+	test -f $(DEMO_RUN)/tower/tower.safetensors || $(BIN)/torchrun --standalone --nproc_per_node 2 \
+		scripts/pretrain_vision.py --objective multilabel \
 		--shards $(TOWER_SHARDS) --eval-shards $(DEMO_DATA)/vision/eval --steps $(TOWER_STEPS) \
 		--batch-size 32 --eval-every $(TOWER_STEPS) --log-every 100 $(TOWER_SET) $(REGION_LABELS) --threads 1 \
-		--seed $(TOWER_SEED) \
-		--out $(DEMO_RUN)/tower/tower.safetensors
-	$(BIN)/python scripts/probe_tower.py $(DEMO_RUN)/tower/tower.safetensors --threads 2 --binding \
-		$(if $(strip $(REGION_LABELS)),--words) \
-		--json $(DEMO_RUN)/tower/probe.json
+		--seed $(TOWER_SEED) --out $(DEMO_RUN)/tower/tower.safetensors
+	test -f $(DEMO_RUN)/tower/probe.json || $(BIN)/python scripts/probe_tower.py $(DEMO_RUN)/tower/tower.safetensors \
+		--threads 2 --binding $(if $(strip $(REGION_LABELS)),--words) --json $(DEMO_RUN)/tower/probe.json
+demo: venv demo-shards
+	rm -rf $(DEMO_RUN)
+	$(MAKE) demo-tower DEMO_RUN=$(DEMO_RUN)
 	$(if $(TEXT_STAGE),$(COPYING_SHARDS) && $(TEXT_CMD))
 	$(DS) --config scripts/configs/stage1_colour.yaml --out $(DEMO_RUN)/stage1_colour \
 		--set 'data.shards=[$(DEMO_DATA)/look_colour/train]' \

@@ -10,7 +10,8 @@ A staged study (``scripts/configs/study_staged.yaml``) adds ``stages``: training
 ``train_base`` (the last stage), each starting from the export of the one before (``eval.study.arms.train_yaml``).
 Each stage, and ``train_base``, may name a shipped training YAML in ``from``: its fields are read first and the
 entry's own deep-merged over them. ``data`` is then a list of shard sets, each ``{dir, build}`` (make_shards.py
-arguments) or ``{creates, command}`` (any command, e.g. stage 0's tower, run once when its file is missing).
+arguments), ``{creates, command}`` (any command, e.g. stage 0's tower, run once when its file is missing) or
+``{command}`` (run before every study run, e.g. ``make demo-shards``, which skips what exists itself).
 
 Every fault is a one-line ``StudyConfigError`` naming the field, raised before anything runs: an arm name used
 twice, a claim that compares an arm the study does not have, an arm that does not list a claim it serves (or the
@@ -200,20 +201,24 @@ def _check_stages(cfg: dict) -> None:
 
 
 def data_sets(study: dict) -> list[dict]:
-    """The study's ``data`` as a list of entries (``{dir, build}`` or ``{creates, command}``): one set or a list."""
+    """The study's ``data`` as a list of entries (``{dir, build}``, ``{creates, command}`` or ``{command}``): one set or
+    a list."""
     data = study["data"]
     return data if isinstance(data, list) else [data]
 
 
 def _check_data(cfg: dict) -> None:
     """``data``: one ``{dir, build}`` (the shards every stage defaults to), or a list of shard sets, each ``{dir,
-    build}`` or ``{creates, command}``; with a list every stage names its own ``data.shards``."""
+    build}``, ``{creates, command}`` or ``{command}``; with a list every stage names its own ``data.shards``."""
     data = cfg["data"]
+    shapes = ({"dir", "build"}, {"creates", "command"}, {"command"})
     for i, entry in enumerate(data_sets(cfg)):
         where = f"data[{i}]" if isinstance(data, list) else "data"
-        ok = isinstance(entry, dict) and (set(entry) == {"dir", "build"} or set(entry) == {"creates", "command"})
+        ok = isinstance(entry, dict) and set(entry) in shapes
         if not ok or not isinstance(entry.get("build", entry.get("command")), list):
-            raise StudyConfigError(f"{where}: needs dir and build (make_shards.py arguments) or creates and command")
+            raise StudyConfigError(
+                f"{where}: needs dir and build (make_shards.py arguments), or a command (with creates: when missing)"
+            )
     if isinstance(data, list):
         for where, stage in [*((f"stages[{i}]", s) for i, s in enumerate(cfg["stages"])), ("train_base", None)]:
             stage = cfg["train_base"] if stage is None else stage

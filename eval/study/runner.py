@@ -135,12 +135,13 @@ def release_port(port: int) -> None:
 def ensure_data(study: dict, log: Log, quiet: bool = False) -> None:
     """Build the training shards (every set of ``data``), anything a ``{creates, command}`` entry makes, and the
     eval task data with the config's arguments when they are missing (``quiet``: without make_shards' progress
-    bar). ``{python}`` in a command is this interpreter."""
+    bar); run every ``{command}`` entry. ``{python}`` in a command is this interpreter."""
     for entry in data_sets(study):
-        if "creates" in entry:
-            if Path(entry["creates"]).exists():
+        if "command" in entry:
+            if "creates" in entry and Path(entry["creates"]).exists():
                 continue
-            cmd, what = [python() if a == "{python}" else str(a) for a in entry["command"]], entry["creates"]
+            cmd = [python() if a == "{python}" else str(a) for a in entry["command"]]
+            what = entry.get("creates") or shlex.join(cmd)
         else:
             shards = Path(entry["dir"])
             if all((shards / split / "manifest.json").is_file() for split in ("train", "eval")):

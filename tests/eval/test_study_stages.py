@@ -54,7 +54,7 @@ def test_stages_chain_through_their_exports(tmp_path):
         ({"stages": [{"name": "a", "form": "x.yaml"}]}, r"stages\[0\] \(a\): unknown field 'form'"),
         ({"stages": [{"name": "a", "from": "nope/missing.yaml"}]}, r"stages\[0\]\.from: "),
         ({"stages": [{"name": "a", "train": {"max_steps": 2}}]}, r"stages\[0\]: needs data\.shards"),
-        ({"data": [{"dir": "x"}]}, r"data\[0\]: needs dir and build .* or creates and command"),
+        ({"data": [{"dir": "x"}]}, r"data\[0\]: needs dir and build .*, or a command \(with creates"),
     ],
 )
 def test_stage_config_faults_are_one_line(tmp_path, edit, message):
@@ -68,7 +68,10 @@ def test_stage_config_faults_are_one_line(tmp_path, edit, message):
 
 
 def test_a_creates_entry_runs_once_and_only_when_missing(tmp_path):
+    """A ``{creates, command}`` entry runs only while its file is missing; a ``{command}`` entry (``make
+    demo-shards``, which skips what exists itself) runs every time."""
     made, shards, tasks = tmp_path / "tower" / "made.txt", tmp_path / "shards", tmp_path / "tasks"
+    runs = tmp_path / "runs.txt"
     for split in ("train", "eval"):
         (shards / split).mkdir(parents=True)
         (shards / split / "manifest.json").write_text("{}")
@@ -79,6 +82,7 @@ def test_a_creates_entry_runs_once_and_only_when_missing(tmp_path):
         "data": [
             {"dir": str(shards), "build": ["--never-run"]},
             {"creates": str(made), "command": ["{python}", "-c", script]},
+            {"command": ["{python}", "-c", f"open({str(runs)!r}, 'a').write('x')"]},
         ],
         "eval": {"tasks": ["cmoe_sceneqa"], "tasks_dir": str(tasks), "build": []},
     }
@@ -86,4 +90,5 @@ def test_a_creates_entry_runs_once_and_only_when_missing(tmp_path):
     ensure_data(study, log)
     assert Path(made.read_text()).name.startswith("python")  # {python} was this interpreter
     ensure_data(study, log)  # the file is there: the command (which would fail: the folder exists) does not run
-    assert (tmp_path / "study.log").read_text().count("building ") == 1
+    assert (tmp_path / "study.log").read_text().count(f"building {made}") == 1
+    assert runs.read_text() == "xx"
