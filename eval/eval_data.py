@@ -361,13 +361,13 @@ def write_eval_sets(
             shutil.rmtree(data_dir)
         (data_dir / "images").mkdir(parents=True)
         install_task_files(out, task)
-        images = data_dir / "images"
+        images = data_dir / "images"  # the docs are built from ``options``, what the manifest (and ``keep``) reads
         if task == "cmoe_longdoc":
-            rows = longdoc_rows(longdoc_per_bucket, seed, longdoc_pages, images)
+            rows = longdoc_rows(options["per_bucket"], seed, options["pages"], images)
         elif task == "cmoe_niah":
-            rows = niah_rows(niah_per_bucket, seed, niah_lengths, images)
+            rows = niah_rows(options["per_bucket"], seed, list(options["lengths"]), images)
         elif task == "cmoe_refloc":
-            rows = refloc_rows(refloc_n, seed, images)
+            rows = refloc_rows(options["n"], seed, images)
         else:
             rows = sceneqa_rows(options["n"], seed, images, task)
         manifests[task] = _write_task(out, task, rows, options)
