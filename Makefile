@@ -14,7 +14,7 @@ export HF_DATASETS_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv test demo demo-shards demo-tower demo-eval instruct-long needles demo-backbone bench lint format clean study study-staged spatial spatial-staged
+.PHONY: venv test demo demo-shards demo-tower demo-eval demo-eval-data instruct-long needles demo-backbone bench lint format clean study study-staged spatial spatial-staged
 
 venv: $(STAMP)
 
@@ -181,14 +181,18 @@ demo: venv demo-shards
 # change to the tasks or the plugin): the tasks' data (rebuilt only when missing or built with other sizes), lmms-eval
 # on all of it (200 one-object scenes, each asked colour / shape / position / count: 200 items per question type),
 # the R report per task and the score table.
-demo-eval: venv
-	$(BIN)/python scripts/make_eval_data.py --keep --out $(EVAL_DIR) --longdoc-pages 1,4 --longdoc-per-bucket 50 \
-		--niah-lengths short --niah-per-bucket 100 --refloc-n 200 --sceneqa-n 60 --sceneqa-one-n 200
+demo-eval: venv demo-eval-data
 	$(BIN)/python -m lmms_eval --model conceptmoe --model_args pretrained=$(DEMO_RUN)/stage2/hf \
 		--tasks $(EVAL_TASKS) --include_path $(EVAL_DIR) --batch_size 8 --limit $(EVAL_LIMIT) \
 		--output_path $(DEMO_RUN)/eval --log_samples --verbosity DEBUG
 	$(BIN)/python scripts/r_report.py $(DEMO_RUN)/eval
 	$(BIN)/python scripts/score_table.py $(DEMO_RUN)/eval --tasks-dir $(EVAL_DIR)
+
+# The tasks' data the demo is scored on (a task already built with these options is kept): the one command the demo
+# and the staged studies (their eval.command) run for it.
+demo-eval-data: venv
+	$(BIN)/python scripts/make_eval_data.py --keep --out $(EVAL_DIR) --longdoc-pages 1,4 --longdoc-per-bucket 50 \
+		--niah-lengths short --niah-per-bucket 100 --refloc-n 200 --sceneqa-n 60 --sceneqa-one-n 200
 
 # Its stage 2 also reads 1,000 text-needle haystacks, like those `make needles` trains on. Its stage 0 keeps the
 # caption words alone (REGION_LABELS empty) and its model is the text stage's (stage0_text.yaml: projector tokens

@@ -11,7 +11,9 @@ A staged study (``scripts/configs/study_staged.yaml``) adds ``stages``: training
 Each stage, and ``train_base``, may name a shipped training YAML in ``from``: its fields are read first and the
 entry's own deep-merged over them. ``data`` is then a list of shard sets, each ``{dir, build}`` (make_shards.py
 arguments), ``{creates, command}`` (any command, e.g. stage 0's tower, run once when its file is missing) or
-``{command}`` (run before every study run, e.g. ``make demo-shards``, which skips what exists itself).
+``{command}`` (run before every study run, e.g. ``make demo-shards``, which skips what exists itself). ``eval``
+likewise builds its task data by ``build`` (make_eval_data.py arguments, when the data is missing) or ``command``
+(run every time, e.g. ``make demo-eval-data``, which keeps the tasks already built with its options).
 
 Every fault is a one-line ``StudyConfigError`` naming the field, raised before anything runs: an arm name used
 twice, a claim that compares an arm the study does not have, an arm that does not list a claim it serves (or the
@@ -152,6 +154,11 @@ def _check_eval(cfg: dict) -> None:
     for key in ("tasks", "main_metrics", "tasks_dir"):
         if key not in ev:
             raise StudyConfigError(f"missing config field 'eval.{key}'")
+    makers = [key for key in ("build", "command") if key in ev]
+    if len(makers) != 1 or not isinstance(ev[makers[0]], list):
+        raise StudyConfigError(
+            "eval: needs build (make_eval_data.py arguments, run when the data is missing) or command (run every time)"
+        )
     for task in ev["tasks"]:
         names = ev["main_metrics"].get(task)
         if not names:

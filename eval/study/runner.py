@@ -134,8 +134,8 @@ def release_port(port: int) -> None:
 # ----------------------------------------------------------------------------- data
 def ensure_data(study: dict, log: Log, quiet: bool = False) -> None:
     """Build the training shards (every set of ``data``), anything a ``{creates, command}`` entry makes, and the
-    eval task data with the config's arguments when they are missing (``quiet``: without make_shards' progress
-    bar); run every ``{command}`` entry. ``{python}`` in a command is this interpreter."""
+    eval task data with ``eval.build``'s arguments when they are missing (``quiet``: without make_shards' progress
+    bar); run every ``{command}`` entry and ``eval.command``. ``{python}`` in a command is this interpreter."""
     for entry in data_sets(study):
         if "command" in entry:
             if "creates" in entry and Path(entry["creates"]).exists():
@@ -152,12 +152,17 @@ def ensure_data(study: dict, log: Log, quiet: bool = False) -> None:
         log(f"building {what}: {shlex.join(cmd)}")
         if subprocess.run(cmd, env=env()).returncode != 0:
             raise SystemExit(f"study: error: building {what} failed")
-    tasks_dir = Path(study["eval"]["tasks_dir"])
-    if not all((tasks_dir / t / "data" / "test.jsonl").is_file() for t in study["eval"]["tasks"]):
-        cmd = [python(), script("make_eval_data.py"), "--out", str(tasks_dir), *map(str, study["eval"]["build"])]
-        log(f"building eval data: {shlex.join(cmd)}")
-        if subprocess.run(cmd, env=env()).returncode != 0:
-            raise SystemExit(f"study: error: building the eval data into {tasks_dir} failed")
+    ev = study["eval"]
+    tasks_dir = Path(ev["tasks_dir"])
+    if "command" in ev:  # e.g. `make demo-eval-data`: it keeps what is up to date itself (make_eval_data.py --keep)
+        cmd = [python() if a == "{python}" else str(a) for a in ev["command"]]
+    elif not all((tasks_dir / t / "data" / "test.jsonl").is_file() for t in ev["tasks"]):
+        cmd = [python(), script("make_eval_data.py"), "--out", str(tasks_dir), *map(str, ev["build"])]
+    else:
+        return
+    log(f"building eval data: {shlex.join(cmd)}")
+    if subprocess.run(cmd, env=env()).returncode != 0:
+        raise SystemExit(f"study: error: building the eval data into {tasks_dir} failed")
 
 
 # ----------------------------------------------------------------------------- one run

@@ -55,6 +55,10 @@ def test_stages_chain_through_their_exports(tmp_path):
         ({"stages": [{"name": "a", "from": "nope/missing.yaml"}]}, r"stages\[0\]\.from: "),
         ({"stages": [{"name": "a", "train": {"max_steps": 2}}]}, r"stages\[0\]: needs data\.shards"),
         ({"data": [{"dir": "x"}]}, r"data\[0\]: needs dir and build .*, or a command \(with creates"),
+        (
+            {"eval": {"tasks": ["cmoe_sceneqa"], "tasks_dir": "t", "main_metrics": {"cmoe_sceneqa": ["acc"]}}},
+            r"eval: needs build \(make_eval_data.py arguments.*\) or command",
+        ),
     ],
 )
 def test_stage_config_faults_are_one_line(tmp_path, edit, message):
@@ -92,3 +96,20 @@ def test_a_creates_entry_runs_once_and_only_when_missing(tmp_path):
     ensure_data(study, log)  # the file is there: the command (which would fail: the folder exists) does not run
     assert (tmp_path / "study.log").read_text().count(f"building {made}") == 1
     assert runs.read_text() == "xx"
+
+
+def test_an_eval_command_runs_every_time_and_its_failure_stops_the_study(tmp_path):
+    """``eval.command`` (the staged studies' ``make demo-eval-data``) runs before every study run, even with the
+    task data present (the command itself keeps what is up to date); a failing one stops with a one-line error."""
+    runs, tasks = tmp_path / "runs.txt", tmp_path / "tasks"
+    (tasks / "cmoe_sceneqa" / "data").mkdir(parents=True)
+    (tasks / "cmoe_sceneqa" / "data" / "test.jsonl").write_text("")
+    ev = {"tasks": ["cmoe_sceneqa"], "tasks_dir": str(tasks)}
+    study = {"data": [], "eval": {**ev, "command": ["{python}", "-c", f"open({str(runs)!r}, 'a').write('x')"]}}
+    log = Log(tmp_path / "study.log")
+    ensure_data(study, log)
+    ensure_data(study, log)
+    assert runs.read_text() == "xx"
+    study["eval"]["command"] = ["{python}", "-c", "raise SystemExit(3)"]
+    with pytest.raises(SystemExit, match="building the eval data into .* failed"):
+        ensure_data(study, log)
