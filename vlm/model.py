@@ -318,6 +318,7 @@ class ConceptMoEVLM(HubCodeMixin, PreTrainedModel, ConceptMoEGenerationMixin):
         if labels is not None:
             labels = text_labels(labels, modality_ids, attention_mask)
         forced_BN, neighbours_BN2 = self.chunking_inputs(modality_ids, attention_mask, grid_hw, use_cache)
+        forced_BN = lm.model.token_boundaries(input_ids, forced_BN)  # the text config's boundary_token_ids
         return lm(
             inputs_embeds=embeds_BND,
             labels=labels,

@@ -23,6 +23,14 @@ def _table(rows: list[tuple[str, object]]) -> str:
     return "| | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows if v is not None)
 
 
+def _ids(ids: list[int] | None, shown: int = 8) -> str | None:
+    """Token ids for the card: all of them, or the first few and the count."""
+    if not ids:
+        return None
+    head = ", ".join(str(i) for i in ids[:shown])
+    return head if len(ids) <= shown else f"{head}, ... ({len(ids)} ids)"
+
+
 def _millions(n: int) -> str:
     return f"{n / 1e6:.2f} M"
 
@@ -48,6 +56,7 @@ def architecture(config, n_params: int) -> str:
         ("chunking", text.chunking),
         ("target R (tokens per concept)", text.target_r if text.chunking == "dynamic" else None),
         ("target R by modality", text.target_r_by_modality),
+        ("boundary forced on token ids", _ids(text.boundary_token_ids)),
         ("boundary router", f"{text.boundary_router} (init {text.boundary_router_init})"),
         (
             "concept model",

@@ -25,6 +25,11 @@ def test_card_is_hf_metadata_then_the_configs_numbers(tmp_path):
     assert "## Training" not in body  # no run: no training section
     fixed = render(ConceptMoEVLMConfig.from_preset("tiny", chunking="none"), 1, "baseline")
     assert "| chunking | none |" in fixed and "target R (tokens per concept)" not in fixed
+    assert "boundary forced" not in body
+    forced = render(ConceptMoEVLMConfig.from_preset("tiny", boundary_token_ids=[7, 9]), 1, "forced")
+    assert "| boundary forced on token ids | 7, 9 |" in forced
+    every = render(ConceptMoEVLMConfig.from_preset("tiny", boundary_token_ids=list(range(20))), 1, "every")
+    assert "| boundary forced on token ids | 0, 1, 2, 3, 4, 5, 6, 7, ... (20 ids) |" in every
 
 
 def test_scores_section_is_replaced_not_appended(tmp_path):

@@ -40,6 +40,7 @@ CHUNKING_SETTINGS = (
     "ratio_loss_weight",
     "target_r_by_modality",
     "ratio_loss_modality_weights",
+    "boundary_token_ids",
     "balance_loss_weight",
     "moe_z_loss_weight",
 )
@@ -109,6 +110,13 @@ def _modality_weights_ok(c) -> bool:
         return True
     targets = c.target_r_by_modality
     return targets is not None and set(weights) <= set(targets) and all(w >= 0 for w in weights.values())
+
+
+def _boundary_ids_ok(c) -> bool:
+    ids = c.boundary_token_ids
+    if ids is None:
+        return True
+    return c.chunked and isinstance(ids, list) and all(_int_at_least(0)(i) and i < c.vocab_size for i in ids)
 
 
 RULES: tuple[Rule, ...] = (
@@ -191,6 +199,11 @@ RULES: tuple[Rule, ...] = (
         _modality_weights_ok,
         "must be None or {{modality id: weight >= 0}} for modalities listed in target_r_by_modality",
     ),
+    Rule(
+        "boundary_token_ids",
+        _boundary_ids_ok,
+        "must be None or a list of token ids in [0, vocab_size={c.vocab_size}), with chunking 'dynamic' or 'fixed'",
+    ),
     field_rule("balance_loss_weight", lambda w: w >= 0.0, "must be >= 0"),
     field_rule("moe_z_loss_weight", lambda w: w >= 0.0, "must be >= 0"),
     Rule(
@@ -233,10 +246,13 @@ def fill_defaults(fields: dict) -> dict:
 
 
 def normalise(fields: dict) -> dict:
-    """R and tau as floats; per-modality maps with string keys (``_str_keyed``), as JSON will store them."""
+    """R and tau as floats; per-modality maps with string keys (``_str_keyed``), as JSON will store them; boundary
+    token ids as a list."""
     out = {**fields, "target_r": float(fields["target_r"]), "noise_tau": float(fields["noise_tau"])}
     for name in ("target_r_by_modality", "ratio_loss_modality_weights"):
         out[name] = _str_keyed(fields[name])
+    ids = fields["boundary_token_ids"]
+    out["boundary_token_ids"] = list(ids) if isinstance(ids, (list, tuple)) else ids
     return out
 
 
@@ -253,6 +269,9 @@ class ConceptMoEConfig(PretrainedConfig):
     ``"fixed"`` puts a boundary every ``target_r`` tokens (the paper's Fig. 8 ablation).
     ``boundary_router`` picks how boundaries are scored (``cosine``, Eq. 2, or ``linear``, Fig. 9) and
     ``boundary_router_init`` how its projections start; ``concept_merge`` how a chunk's tokens become one concept.
+    ``boundary_token_ids`` (an extension, not in the paper) forces a boundary on every occurrence of those tokens,
+    in training, prefill and decoding alike: on the chat template's ``<|assistant|>`` it makes the concept model read
+    the whole question before the answer's first token is predicted (docs/seeing.md, "What in chunking slows binding").
 
     The concept model's fields (``concept_*``) default to the token-level values and are stored resolved (always
     ints after construction); they are how the saved compute is reallocated (the paper's §3.5):
@@ -312,6 +331,7 @@ class ConceptMoEConfig(PretrainedConfig):
         ratio_loss_weight: float = 0.03,
         target_r_by_modality: dict | None = None,
         ratio_loss_modality_weights: dict | None = None,
+        boundary_token_ids: list[int] | None = None,
         joint_layers: int | None = None,
         joint_zero_init: bool = False,
         attention_bias: bool = False,

@@ -139,12 +139,17 @@ def _step_layout(pos_B: torch.Tensor, key_valid_BN: torch.Tensor) -> SeqLayout:
     )
 
 
-def step_boundaries(model, h_BD: torch.Tensor, cache: ConceptMoECache) -> tuple[torch.Tensor, torch.Tensor]:
-    """(p_B, b_B) of the new token of every row: Eq. 2 from the stored previous state, or fixed every R tokens."""
+def step_boundaries(
+    model, h_BD: torch.Tensor, cache: ConceptMoECache, forced_B: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(p_B, b_B) of the new token of every row: Eq. 2 from the stored previous state, or fixed every R tokens;
+    a forced token (``boundary_token_ids``) gets p = 1, as in the full forward."""
     if model.config.chunking == "fixed":
-        b_B = fixed_boundary_at(cache.pos_B, model.config.target_r)
-        return b_B.float(), b_B
-    p_B = model.chunker.step_probs(cache.last_h_BD, h_BD)
+        p_B = fixed_boundary_at(cache.pos_B, model.config.target_r).float()
+    else:
+        p_B = model.chunker.step_probs(cache.last_h_BD, h_BD)
+    if forced_B is not None:
+        p_B = torch.where(forced_B, torch.ones_like(p_B), p_B)
     return p_B, p_B >= 0.5
 
 
@@ -163,8 +168,11 @@ def concept_step(model, c_bD: torch.Tensor, rows_b: torch.Tensor, cache: Concept
     return c_b1D[:, 0]
 
 
-def decode_step(model, h_BD: torch.Tensor, cache: ConceptMoECache) -> torch.Tensor:
-    """One token per row through the whole model; returns the decoder output (before the final norm)."""
+def decode_step(
+    model, h_BD: torch.Tensor, cache: ConceptMoECache, forced_B: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One token per row through the whole model (``forced_B``: rows whose token must close a concept); returns the
+    decoder output (before the final norm)."""
     b = h_BD.shape[0]
     cache.valid_BN = torch.cat([cache.valid_BN, cache.valid_BN.new_ones(b, 1)], dim=1)
     layout = _step_layout(cache.pos_B, cache.valid_BN)
@@ -176,7 +184,7 @@ def decode_step(model, h_BD: torch.Tensor, cache: ConceptMoECache) -> torch.Tens
         return out_B1D[:, 0]
 
     enc_BD = h_B1D[:, 0]
-    p_B, b_B = step_boundaries(model, enc_BD, cache)
+    p_B, b_B = step_boundaries(model, enc_BD, cache, forced_B)
     if cache.merge_BD is not None:  # sum merge: the window since the last boundary, this token included
         window_BD = cache.merge_BD + enc_BD
         cache.merge_BD = torch.where(b_B[:, None], torch.zeros_like(window_BD), window_BD)
@@ -195,14 +203,22 @@ def decode_step(model, h_BD: torch.Tensor, cache: ConceptMoECache) -> torch.Tens
     return out_B1D[:, 0]
 
 
-def decode(model, h_BnD: torch.Tensor, cache: ConceptMoECache, new_valid_Bn: torch.Tensor | None) -> torch.Tensor:
-    """n new tokens per row after a prefill, one step at a time; returns the final-norm states [B, n, D]."""
+def decode(
+    model,
+    h_BnD: torch.Tensor,
+    cache: ConceptMoECache,
+    new_valid_Bn: torch.Tensor | None,
+    forced_Bn: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """n new tokens per row after a prefill, one step at a time (``forced_Bn`` [B, n]: tokens that must close a
+    concept); returns the final-norm states [B, n, D]."""
     if new_valid_Bn is not None and not bool(new_valid_Bn.all()):
         raise ValueError("tokens after the prompt must all be real (attention_mask 1): padding is prompt-side only")
     limit = model.config.max_position_embeddings
     if int(cache.pos_B.max()) + h_BnD.shape[1] > limit:
         raise ValueError(f"decoding past max_position_embeddings={limit} (positions 0..{limit - 1} are all used)")
-    outs = [decode_step(model, h_BnD[:, i], cache) for i in range(h_BnD.shape[1])]
+    forced = [None] * h_BnD.shape[1] if forced_Bn is None else forced_Bn.unbind(1)
+    outs = [decode_step(model, h_BnD[:, i], cache, forced[i]) for i in range(h_BnD.shape[1])]
     return model.norm(torch.stack(outs, dim=1))
 
 

@@ -166,8 +166,9 @@ class ConceptMoEModel(ConceptMoEPreTrainedModel):
         """Eq. (1) over whole rows (training, eval, and the prefill of generation when ``use_cache``); given a filled
         ``cache``, the new tokens are decoded one step each instead (:meth:`decode`)."""
         h_BND = self.embed(input_ids, inputs_embeds)
+        forced_boundaries = self.token_boundaries(input_ids, forced_boundaries)
         if cache is not None and cache.get_seq_length() > 0:
-            return self.decode(h_BND, cache, attention_mask)
+            return self.decode(h_BND, cache, attention_mask, forced_boundaries)
         layout = self.layout(h_BND, doc_ids, position_ids, attention_mask, forced_boundaries, boundary_neighbours)
         cache = self.prefill_cache(layout, cache, use_cache)
         kv = cache.per_stack() if cache is not None else {}
@@ -200,6 +201,15 @@ class ConceptMoEModel(ConceptMoEPreTrainedModel):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         return self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
 
+    def token_boundaries(self, input_ids, forced_BN=None):
+        """``forced_BN`` [B, N] bool or None, or'ed with the positions of ``config.boundary_token_ids`` in
+        ``input_ids`` (callers that pass embeddings, the VLM, call this with their own ids)."""
+        ids = self.config.boundary_token_ids
+        if not ids or input_ids is None or not self.config.chunked:
+            return forced_BN
+        at_BN = torch.isin(input_ids, torch.tensor(ids, device=input_ids.device))
+        return at_BN if forced_BN is None else forced_BN | at_BN
+
     @staticmethod
     def layout(h_BND, doc_ids, position_ids, attention_mask, forced_boundaries, boundary_neighbours=None) -> SeqLayout:
         """Documents, positions, padding, forced boundaries and the router's neighbours of the rows (doc ids default
@@ -226,11 +236,14 @@ class ConceptMoEModel(ConceptMoEPreTrainedModel):
             aux["z_loss"] = torch.stack([s.z_loss for s in router_stats]).mean()
         return aux
 
-    def decode(self, h_BnD: torch.Tensor, cache: ConceptMoECache, attention_mask=None) -> BackboneOutput:
+    def decode(
+        self, h_BnD: torch.Tensor, cache: ConceptMoECache, attention_mask=None, forced_Bn=None
+    ) -> BackboneOutput:
         """Incremental decoding after a prefill: each new token runs one step (``vlm.backbone.decoding``), and only
-        tokens that close a concept run the concept model."""
+        tokens that close a concept (``forced_Bn`` [B, n] bool: must close one) run the concept model."""
         new_valid_Bn = None if attention_mask is None else attention_mask[:, -h_BnD.shape[1] :].bool()
-        return BackboneOutput(last_hidden_state=decode(self, h_BnD, cache, new_valid_Bn), aux={}, cache=cache)
+        out_BnD = decode(self, h_BnD, cache, new_valid_Bn, forced_Bn)
+        return BackboneOutput(last_hidden_state=out_BnD, aux={}, cache=cache)
 
 
 class ConceptMoEForCausalLM(ConceptMoEPreTrainedModel, ConceptMoEGenerationMixin):

@@ -149,3 +149,25 @@ def test_fixed_boundaries_every_r_tokens_per_document():
     assert b.int().tolist() == [[1, 0, 1, 0, 1, 1, 0, 1, 0, 1, 0]]
     b15 = fixed_boundaries(make_layout(None, None, (1, 9), torch.device("cpu")), 1.5)
     assert b15.sum().item() == math.ceil(9 / 1.5)
+
+
+@pytest.mark.parametrize("chunking", ["dynamic", "fixed"])
+@torch.no_grad()
+def test_boundary_token_ids_add_a_boundary_on_every_occurrence_and_nowhere_else(chunking):
+    """In eval mode p_n depends on the encoder states only, so the forced run's boundaries are exactly the plain
+    run's plus the forced tokens' (p = 1 there), and the logits before the first forced token are unchanged."""
+    forced_ids = [5, 9]
+    cfg = dict(vocab_size=64, chunking=chunking, boundary_router_init="random")
+    torch.manual_seed(0)
+    plain = ConceptMoEForCausalLM(ConceptMoEConfig(**cfg)).eval()
+    forced = ConceptMoEForCausalLM(ConceptMoEConfig(**cfg, boundary_token_ids=forced_ids)).eval()
+    forced.load_state_dict(plain.state_dict())
+    ids = torch.randint(10, 64, (2, 30), generator=torch.Generator().manual_seed(1))
+    ids[0, 13], ids[0, 21], ids[1, 7] = 5, 9, 5  # odd: not on the fixed R = 2 grid
+    at_BN = torch.isin(ids, torch.tensor(forced_ids))
+    a, b = plain.model(input_ids=ids).chunk, forced.model(input_ids=ids).chunk
+    assert torch.equal(b.b_BN, a.b_BN | at_BN) and bool((b.p_BN[at_BN] == 1).all())
+    assert not bool(a.b_BN[at_BN].all())  # the setting changed something: not every forced token was a boundary
+    la, lb = plain(input_ids=ids).logits, forced(input_ids=ids).logits
+    assert torch.allclose(la[0, :13], lb[0, :13], atol=1e-5) and torch.allclose(la[1, :7], lb[1, :7], atol=1e-5)
+    assert not torch.allclose(la[0, 13:], lb[0, 13:], atol=1e-3)  # from the first forced token on, they differ

@@ -31,6 +31,10 @@ from vlm.backbone.config import RENAMED_FIELDS
         (dict(head_dim=5), "head_dim"),
         (dict(shared_experts=0, shared_expert_dim=32), "shared_expert_dim"),
         (dict(shared_experts=0, shared_expert_gate=True), "shared_expert_gate"),
+        (dict(boundary_token_ids=[-1]), "boundary_token_ids"),
+        (dict(boundary_token_ids=[512]), "boundary_token_ids"),
+        (dict(boundary_token_ids=["<|assistant|>"]), "boundary_token_ids"),
+        (dict(chunking="none", boundary_token_ids=[3]), "boundary_token_ids"),
     ],
 )
 def test_invalid_values_raise_naming_the_field(overrides, field):
@@ -72,6 +76,7 @@ def test_concept_schedule_loops_the_middle_layers():
                 tie_word_embeddings=True,
                 qk_norm="head",
                 attention_bias=True,
+                boundary_token_ids=[3, 17],
             ),
         ),
     ],

@@ -20,6 +20,9 @@ VARIANTS = {
     "linear-router": dict(boundary_router="linear"),
     "looped": dict(concept_layers=3, concept_loop=2, concept_loop_layers=1, concept_top_k=3),
     "wide": dict(concept_d_model=96, concept_num_experts=4, concept_top_k=3),
+    # a quarter of the ids force a boundary, in the prompt and in the decoded tokens alike
+    "boundary-tokens": dict(boundary_token_ids=list(range(3, 96, 4))),
+    "fixed-boundary-tokens": dict(chunking="fixed", target_r=3.0, boundary_token_ids=list(range(3, 96, 4))),
 }
 
 
@@ -157,11 +160,21 @@ def images(n, seed=0):
 
 
 @pytest.mark.parametrize(
-    "modality_boundaries, image_chunking",
-    [(False, "raster"), (True, "raster"), (True, "rows"), (False, "snake"), (False, "zorder"), (False, "router2d")],
+    "modality_boundaries, image_chunking, boundary_token_ids",
+    [
+        (False, "raster", None),
+        (True, "raster", None),
+        (True, "rows", None),
+        (False, "snake", None),
+        (False, "zorder", None),
+        (False, "router2d", None),
+        (True, "raster", list(range(5, 200, 3))),  # forced on a third of the text ids, prompt and decoded tokens
+    ],
 )
 @torch.no_grad()
-def test_vlm_stepwise_decoding_with_images_equals_the_full_forward(processor, modality_boundaries, image_chunking):
+def test_vlm_stepwise_decoding_with_images_equals_the_full_forward(
+    processor, modality_boundaries, image_chunking, boundary_token_ids
+):
     """Every image scan (vlm/image_scan.py) too: 128 x 96 images give 3 x 4 token grids, where they all differ."""
     torch.manual_seed(0)
     model = ConceptMoEVLM.from_preset(
@@ -171,6 +184,7 @@ def test_vlm_stepwise_decoding_with_images_equals_the_full_forward(processor, mo
         boundary_router_init="random",
         modality_boundaries=modality_boundaries,
         image_chunking=image_chunking,
+        boundary_token_ids=boundary_token_ids,
     ).eval()
     imgs = [img.resize((128, 96)) for img in images(3)]
     prompts = ["<image> what colour is the shape?", "a short one", "two pictures <image> and <image>"]
@@ -190,6 +204,9 @@ def test_vlm_stepwise_decoding_with_images_equals_the_full_forward(processor, mo
     stepped, real = torch.cat(logits, 1), full_mask.bool()
     assert torch.allclose(stepped[real], full.logits[real], atol=1e-4)
     assert int(out.cache.concept_lengths().sum()) == full.chunk_stats["concepts"]
+    if boundary_token_ids:  # the VLM's own forward (embeddings in) forces them too
+        at_BN = torch.isin(full_ids, torch.tensor(boundary_token_ids)) & full_mask.bool()
+        assert bool(at_BN.any()) and bool(full.chunk.b_BN[at_BN].all())
 
     generated = model.generate(**batch, max_new_tokens=6, do_sample=False)
     seq, am, mod = batch["input_ids"], batch["attention_mask"], batch["modality_ids"]
