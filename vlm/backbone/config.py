@@ -191,6 +191,11 @@ RULES: tuple[Rule, ...] = (
         lambda s: s is None or (isinstance(s, (int, float)) and not isinstance(s, bool) and s > 0),
         "must be None (initializer_range) or a number > 0",
     ),
+    field_rule(
+        "concept_norm_init",
+        lambda s: isinstance(s, (int, float)) and not isinstance(s, bool) and s >= 0,
+        "must be a number >= 0 (the dechunked concept's scale at init; 1: a unit-RMS concept)",
+    ),
     Rule(
         "target_r_by_modality", _modality_targets_ok, "must be None or {{modality id: R > 1}} with chunking='dynamic'"
     ),
@@ -286,7 +291,9 @@ class ConceptMoEConfig(PretrainedConfig):
     (0.1 = 0.8 / sqrt(d) at d = 64) the layers' outputs otherwise swamp embeddings of the same std, and with the
     dechunked concept added to each token (Eq. 9-10) too little of the token's own identity is left: the chunked
     ``tiny`` then fails to copy for some seeds (``tests/vlm/backbone/test_copying.py``; docs/seeing.md,
-    "Initialisation"). With tied embeddings the output layer shares that std.
+    "Initialisation"). With tied embeddings the output layer shares that std. ``concept_norm_init`` is the
+    starting gain of the concept model's output norm, so the dechunked concept added to each token (Eq. 9-10) starts
+    at that RMS; below 1 the token's own state is a larger share of what the decoder reads.
     """
 
     model_type = "conceptmoe"
@@ -341,6 +348,7 @@ class ConceptMoEConfig(PretrainedConfig):
         max_position_embeddings: int = 32768,
         initializer_range: float = 0.02,
         embedding_init_std: float | None = None,
+        concept_norm_init: float = 1.0,
         tie_word_embeddings: bool = False,
         num_experts_per_tok: int | None = None,
         **kwargs,

@@ -67,7 +67,8 @@ class ConceptMoEPreTrainedModel(HubCodeMixin, PreTrainedModel):
             elif role == "joint_qkv" and self.config.joint_zero_init:
                 init.zeros_(module.weight)  # CT: the converted model starts exactly as the source model
         elif isinstance(module, RMSNorm):
-            init.ones_(module.weight)
+            gain = self.config.concept_norm_init if getattr(module, "init_role", None) == "concept_out" else 1.0
+            init.constant_(module.weight, gain)
         elif isinstance(module, MoE):
             for w in (module.w_gate_up, module.w_down):
                 init.normal_(w, mean=0.0, std=std)
@@ -104,6 +105,7 @@ class ConceptMoEModel(ConceptMoEPreTrainedModel):
             self.chunker = ChunkModule(d, config.boundary_router)
         if config.chunked:
             self.concept_norm = RMSNorm(config.concept_d_model, config.rms_norm_eps)
+            self.concept_norm.init_role = "concept_out"  # starts at config.concept_norm_init
             if config.concept_d_model != d:  # strategy 3: wider concept model behind projectors
                 self.concept_in = nn.Linear(d, config.concept_d_model, bias=False)
                 self.concept_out = nn.Linear(config.concept_d_model, d, bias=False)

@@ -131,6 +131,34 @@ def test_joint_zero_init_decoder_ignores_concept_in_attention():
     assert not torch.equal(attn.joint_qkv(x, concept)[0], attn.joint_qkv(x, None)[0])
 
 
+def test_concept_norm_init_scales_the_dechunked_concept_alone(tmp_path):
+    """z = h + g * c at init (Eq. 9-10 with the concept model's output norm starting at gain g): the token's own state
+    h and the boundaries are untouched, the concept added to it is scaled by exactly g."""
+    ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(3))
+    seen = {}
+    for gain in (1.0, 0.1):
+        model = tiny_model("dynamic", concept_norm_init=gain)
+        hooks = [
+            model.model.encoder.register_forward_hook(lambda m, a, out, g=gain: seen.__setitem__(("h", g), out[0])),
+            model.model.decoder.register_forward_pre_hook(lambda m, a, g=gain: seen.__setitem__(("z", g), a[0])),
+        ]
+        with torch.no_grad():
+            model(ids)
+        for hook in hooks:
+            hook.remove()
+    h = seen["h", 1.0]
+    assert torch.equal(seen["h", 0.1], h)
+    added = seen["z", 1.0] - h
+    assert added.abs().mean() > 0.1  # the default concept is not negligible: the test would catch a no-op
+    assert torch.allclose(seen["z", 0.1] - h, 0.1 * added, atol=1e-5)
+    model.save_pretrained(tmp_path)
+    loaded = ConceptMoEForCausalLM.from_pretrained(tmp_path)
+    assert loaded.config.concept_norm_init == 0.1
+    assert torch.equal(loaded.model.concept_norm.weight, model.model.concept_norm.weight)
+    with pytest.raises(ValueError, match="concept_norm_init"):
+        ConceptMoEConfig.from_preset("tiny", concept_norm_init=-0.5)
+
+
 def test_embedding_init_std_sets_the_embeddings_alone_and_survives_save(tmp_path):
     model = tiny_model("dynamic", initializer_range=0.1, embedding_init_std=1.0)
     assert abs(model.get_input_embeddings().weight.std().item() - 1.0) < 0.05
