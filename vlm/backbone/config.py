@@ -292,8 +292,8 @@ class ConceptMoEConfig(PretrainedConfig):
     dechunked concept added to each token (Eq. 9-10) too little of the token's own identity is left: the chunked
     ``tiny`` then fails to copy for some seeds (``tests/vlm/backbone/test_copying.py``; docs/seeing.md,
     "Initialisation"). With tied embeddings the output layer shares that std. ``concept_norm_init`` is the
-    starting gain of the concept model's output norm, so the dechunked concept added to each token (Eq. 9-10) starts
-    at that RMS; below 1 the token's own state is a larger share of what the decoder reads.
+    starting gain of the concept model's output norm (unit RMS at 1), so the dechunked concept added to each token
+    (Eq. 9-10) starts scaled by it; below 1 the token's own state is a larger share of what the decoder reads.
     """
 
     model_type = "conceptmoe"
