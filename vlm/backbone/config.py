@@ -71,6 +71,11 @@ def _int_at_least(low: int):
     return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low
 
 
+def _number(v) -> bool:
+    """An int or float, not a bool (JSON's true / false would otherwise pass as 1 / 0)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _one_of(allowed: tuple):
     return lambda v: v in allowed
 
@@ -188,12 +193,12 @@ RULES: tuple[Rule, ...] = (
     field_rule("ratio_loss_weight", lambda w: w >= 0.0, "must be >= 0"),
     field_rule(
         "embedding_init_std",
-        lambda s: s is None or (isinstance(s, (int, float)) and not isinstance(s, bool) and s > 0),
+        lambda s: s is None or (_number(s) and s > 0),
         "must be None (initializer_range) or a number > 0",
     ),
     field_rule(
         "concept_norm_init",
-        lambda s: isinstance(s, (int, float)) and not isinstance(s, bool) and s >= 0,
+        lambda s: _number(s) and s >= 0,
         "must be a number >= 0 (the dechunked concept's scale at init; 1: a unit-RMS concept)",
     ),
     Rule(

@@ -56,19 +56,18 @@ class ConceptMoEPreTrainedModel(HubCodeMixin, PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module):
         std = self.config.initializer_range
+        role = getattr(module, "init_role", None)
         if isinstance(module, (nn.Linear, nn.Embedding)):
             embedding_std = self.config.embedding_init_std if isinstance(module, nn.Embedding) else None
             init.normal_(module.weight, mean=0.0, std=std if embedding_std is None else embedding_std)
             if getattr(module, "bias", None) is not None:
                 init.zeros_(module.bias)
-            role = getattr(module, "init_role", None)
             if role == "boundary_qk" and self.config.boundary_router_init == "identity":
                 init.eye_(module.weight)  # H-Net: W_q = W_k = I, so p starts as ½(1 − cos(ĥ_n, ĥ_{n−1}))
             elif role == "joint_qkv" and self.config.joint_zero_init:
                 init.zeros_(module.weight)  # CT: the converted model starts exactly as the source model
         elif isinstance(module, RMSNorm):
-            gain = self.config.concept_norm_init if getattr(module, "init_role", None) == "concept_out" else 1.0
-            init.constant_(module.weight, gain)
+            init.constant_(module.weight, self.config.concept_norm_init if role == "concept_norm" else 1.0)
         elif isinstance(module, MoE):
             for w in (module.w_gate_up, module.w_down):
                 init.normal_(w, mean=0.0, std=std)
@@ -105,7 +104,7 @@ class ConceptMoEModel(ConceptMoEPreTrainedModel):
             self.chunker = ChunkModule(d, config.boundary_router)
         if config.chunked:
             self.concept_norm = RMSNorm(config.concept_d_model, config.rms_norm_eps)
-            self.concept_norm.init_role = "concept_out"  # starts at config.concept_norm_init
+            self.concept_norm.init_role = "concept_norm"  # its gain starts at config.concept_norm_init
             if config.concept_d_model != d:  # strategy 3: wider concept model behind projectors
                 self.concept_in = nn.Linear(d, config.concept_d_model, bias=False)
                 self.concept_out = nn.Linear(config.concept_d_model, d, bias=False)
