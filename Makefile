@@ -14,7 +14,7 @@ export HF_DATASETS_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv test demo demo-shards demo-tower demo-eval demo-eval-data instruct-long needles demo-backbone bench lint format clean study study-staged spatial spatial-staged
+.PHONY: venv test demo demo-shards demo-tower demo-eval demo-eval-data instruct-long instruct-bind needles demo-backbone bench lint format clean study study-staged spatial spatial-staged
 
 venv: $(STAMP)
 
@@ -87,6 +87,19 @@ TOWER_SHARDS ?= $(DEMO_DATA)/vision/train $(DEMO_DATA)/vision_multi/train
 # `make demo` has no minutes for it (docs/seeing.md, "Copying a needle").
 TEXT_STAGE ?=
 TEXT_STEPS ?= 3000
+# BIND_STAGE=1: a binding stage between stage 1b and stage 2 (scripts/configs/stage_bind.yaml, BIND_STEPS steps of
+# colour / shape / position questions about a named object among 1-5 objects, and count questions); stage 2 then
+# starts from its export. `make instruct-bind` sets it (docs/seeing.md, "Binding in the recipe").
+BIND_STAGE ?=
+BIND_STEPS ?= 3600
+BIND_SHARDS = test -f $(DEMO_DATA)/bind/train/manifest.json || $(BIN)/python scripts/make_shards.py --synthetic scenes_chat \
+	--option types=colour,shape,position --out $(DEMO_DATA)/bind --num-samples 40000 --seed 13 --max-count 250
+BIND_CMD = $(DS) --config scripts/configs/stage_bind.yaml --out $(DEMO_RUN)/stage_bind \
+	--set model.init_from=$(DEMO_RUN)/stage1/hf --set 'data.shards=[$(DEMO_DATA)/bind/train,$(DEMO_DATA)/count_multi/train]' \
+	--set 'data.eval_shards=[$(DEMO_DATA)/bind/eval]' --set train.max_steps=$(BIND_STEPS) --set train.seed=$(SEED)
+# cmoe_sceneqa's scenes in the score table (one question per type each): the demo's 60 (213 questions), 300 for
+# `make instruct-bind` (1,073 questions: its binding rows need more than the demo's 42 colour questions).
+SCENEQA_N ?= 60
 # Extra `--set` overrides for the text stage, which then builds the model; WORDS_SET: the words-alone image tokens.
 TEXT_SET ?=
 WORDS_SET := --set model.overrides.vision_words=true --set model.overrides.vision_projector=false \
@@ -160,7 +173,9 @@ demo: venv demo-shards
 		--set model.init_from=$(DEMO_RUN)/stage1_colour/hf \
 		--set 'data.shards=[$(STAGE1_SHARDS)]' \
 		--set train.seed=$(SEED)
-	$(DS) --config $(STAGE2) --out $(DEMO_RUN)/stage2 --set model.init_from=$(DEMO_RUN)/stage1/hf \
+	$(if $(BIND_STAGE),$(BIND_SHARDS) && $(BIND_CMD))
+	$(DS) --config $(STAGE2) --out $(DEMO_RUN)/stage2 \
+		--set model.init_from=$(DEMO_RUN)/$(if $(BIND_STAGE),stage_bind,stage1)/hf \
 		--set 'data.shards=[$(STAGE2_SHARDS)]' --set 'data.eval_shards=[$(DEMO_DATA)/tasks/eval]' \
 		--set train.seed=$(SEED) $(STAGE2_SET)
 	$(BIN)/python scripts/r_report.py $(DEMO_RUN)/stage2
@@ -192,7 +207,7 @@ demo-eval: venv demo-eval-data
 # and the staged studies (their eval.command) run for it.
 demo-eval-data: venv
 	$(BIN)/python scripts/make_eval_data.py --keep --out $(EVAL_DIR) --longdoc-pages 1,4 --longdoc-per-bucket 50 \
-		--niah-lengths short --niah-per-bucket 100 --refloc-n 200 --sceneqa-n 60 --sceneqa-one-n 200
+		--niah-lengths short --niah-per-bucket 100 --refloc-n 200 --sceneqa-n $(SCENEQA_N) --sceneqa-one-n 200
 
 # Its stage 2 also reads 1,000 text-needle haystacks, like those `make needles` trains on. Its stage 0 keeps the
 # caption words alone (REGION_LABELS empty) and its model is the text stage's (stage0_text.yaml: projector tokens
@@ -209,6 +224,16 @@ instruct-long: venv
 	$(MAKE) demo DEMO_RUN=runs/instruct-long STAGE2=scripts/configs/stage2_long.yaml TEXT_STAGE=1 TEXT_STEPS=2500 \
 		REGION_LABELS= STAGE1_SHARDS=$(LOOK_SHARDS) \
 		STAGE2_SHARDS=$(TASK_SHARDS),$(DEMO_DATA)/scenes_chat/train,$(DEMO_DATA)/needles_long/train
+
+# Binding among several objects: `make demo`'s stages (the same stage-0 tower, words-alone image tokens) with each
+# modality held at R = 2 by its own ratio objective (target_r_by_modality: the image tokens are no longer merged
+# into one or two concepts) and the concept norm starting at gain 0.1 (concept_norm_init), then a binding stage
+# (BIND_STAGE=1, stage_bind.yaml) before stage 2, scored on 1,073 scene questions (docs/seeing.md, "Binding in the
+# recipe").
+BIND_MODEL_SET := --set 'model.overrides.target_r_by_modality={0: 2.0, 1: 2.0}' \
+	--set model.overrides.concept_norm_init=0.1
+instruct-bind: venv
+	$(MAKE) demo DEMO_RUN=runs/instruct-bind BIND_STAGE=1 SCENEQA_N=300 STAGE1_SET="$(BIND_MODEL_SET) $(STAGE1_SET)"
 
 # Needles in text: the language model learns to copy (scripts/configs/stage0_text.yaml: "repeat the line that starts
 # with ...", tied input / output embeddings, 3,000 steps), then to find a needle and restate its sentence

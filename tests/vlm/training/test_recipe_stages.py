@@ -3,11 +3,14 @@ caption words and region labels (``scripts/pretrain_vision.py --objective multil
 ``stage1_colour.yaml`` names), stage 1a (``scripts/configs/stage1_colour.yaml``) loads it, frozen, with its word head
 (image tokens are its words alone: no projector), and trains on one-object
 questions written with the generator's options, stage 1b (``stage1.yaml``) and stage 2 (``stage2.yaml``) each start
-from the HF export before them with the tower still as pretrained; ``stage2_long.yaml`` validates. The shard lists
-the YAMLs name are the ones ``make demo`` makes and passes to each stage."""
+from the HF export before them with the tower still as pretrained; ``stage2_long.yaml`` validates. ``make
+instruct-bind``'s path runs too: stage 1a with its model settings (``BIND_MODEL_SET``: each modality's own target R,
+the concept norm's starting gain), the binding stage (``stage_bind.yaml``) from stage 1b's export, stage 2 from the
+binding stage's. The shard lists the YAMLs name are the ones ``make demo`` makes and passes to each stage."""
 
 import json
 import re
+import shlex
 import subprocess
 import sys
 
@@ -85,13 +88,17 @@ def test_stage1_then_stage2_train_and_export_at_toy_size(tmp_path):
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    stage("stage1_colour.yaml", tmp_path / "stage1_colour", shards, f"model.overrides.vision_weights={tower}")
+    bind_sets = shlex.split(bind_model_set())[1::2]  # the items of its `--set ITEM` pairs
+    assert bind_sets and all(item.startswith("model.overrides.") for item in bind_sets)
+    tower_set = f"model.overrides.vision_weights={tower}"
+    stage("stage1_colour.yaml", tmp_path / "stage1_colour", shards, tower_set, *bind_sets)
     stage("stage1.yaml", tmp_path / "stage1", shards, f"model.init_from={tmp_path / 'stage1_colour' / 'hf'}")
+    stage("stage_bind.yaml", tmp_path / "stage_bind", shards, f"model.init_from={tmp_path / 'stage1' / 'hf'}")
     stage(
         "stage2.yaml",
         tmp_path / "stage2",
         shards,
-        f"model.init_from={tmp_path / 'stage1' / 'hf'}",
+        f"model.init_from={tmp_path / 'stage_bind' / 'hf'}",
         "train.eval_every=2",
         "train.eval_batches=1",
     )
@@ -102,12 +109,20 @@ def test_stage1_then_stage2_train_and_export_at_toy_size(tmp_path):
     # each stage exports stage 0's tower and word head, untouched (the summary pool stays behind: vision_summary off)
     pretrained = {k: v for k, v in load_file(str(tower)).items() if not k.startswith("summary_pool.")}
     assert any(k.startswith("word_head.") for k in pretrained)
-    for name in ("stage1_colour", "stage1", "stage2"):
+    for name in ("stage1_colour", "stage1", "stage_bind", "stage2"):
         model = ConceptMoEVLM.from_pretrained(str(tmp_path / name / "hf"))
+        text = model.config.text_config  # instruct-bind's settings travel with every export
+        assert text.target_r_by_modality == {"0": 2.0, "1": 2.0} and text.concept_norm_init == 0.1, name
         exported = model.vision_tower.state_dict()
         assert len(exported) == len(pretrained) and model.projector is None, name
         for k, v in pretrained.items():
             assert torch.equal(exported[k if k.startswith("word_head.") else "model." + k], v), (name, k)
+
+
+def bind_model_set() -> str:
+    """``make instruct-bind``'s stage-1a settings, as the Makefile writes them (``BIND_MODEL_SET := ...``)."""
+    makefile = (ROOT / "Makefile").read_text()
+    return re.search(r"^BIND_MODEL_SET := (.*)$", makefile.replace("\\\n", " "), re.M).group(1)
 
 
 def test_make_demo_passes_each_stage_its_yaml_shards_and_makes_them():
@@ -130,6 +145,10 @@ def test_make_demo_passes_each_stage_its_yaml_shards_and_makes_them():
     assert "$(if $(TEXT_STAGE),$(COPYING_SHARDS) && $(TEXT_CMD))" in makefile and "--config" in text_cmd
     passed["scripts/configs/stage0_text.yaml"] = re.search(r"data\.shards=\[([^\]]*)\]", text_cmd).group(1).split(",")
     configs.add("scripts/configs/stage0_text.yaml")
+    bind_cmd = makefile[makefile.index("\nBIND_CMD = ") : makefile.index("\nSCENEQA_N ")]  # BIND_STAGE=1's stage
+    assert "$(if $(BIND_STAGE),$(BIND_SHARDS) && $(BIND_CMD))" in demo and "--config" in bind_cmd
+    passed["scripts/configs/stage_bind.yaml"] = re.search(r"data\.shards=\[([^\]]*)\]", bind_cmd).group(1).split(",")
+    configs.add("scripts/configs/stage_bind.yaml")
     assert set(passed) == configs
     for config, shards in passed.items():
         data = load_config(str(ROOT / config.replace("$(STAGE2)", "scripts/configs/stage2.yaml")))["data"]
