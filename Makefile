@@ -97,8 +97,9 @@ BIND_SHARDS = test -f $(DEMO_DATA)/bind/train/manifest.json || $(BIN)/python scr
 BIND_CMD = $(DS) --config scripts/configs/stage_bind.yaml --out $(DEMO_RUN)/stage_bind \
 	--set model.init_from=$(DEMO_RUN)/stage1/hf --set 'data.shards=[$(DEMO_DATA)/bind/train,$(DEMO_DATA)/count_multi/train]' \
 	--set 'data.eval_shards=[$(DEMO_DATA)/bind/eval]' --set train.max_steps=$(BIND_STEPS) --set train.seed=$(SEED)
-# cmoe_sceneqa's scenes in the score table (one question per type each): the demo's 60 (213 questions), 300 for
-# `make instruct-bind` (1,073 questions: its binding rows need more than the demo's 42 colour questions).
+# cmoe_sceneqa's scenes (one question per type each): the demo's 60 (213 questions), 300 for `make instruct-bind`
+# (1,073 questions, of which lmms-eval's --limit scores the first 800: its binding rows need more than the demo's 42
+# colour questions).
 SCENEQA_N ?= 60
 # Extra `--set` overrides for the text stage, which then builds the model; WORDS_SET: the words-alone image tokens.
 TEXT_SET ?=
