@@ -92,10 +92,12 @@ TEXT_STEPS ?= 3000
 # starts from its export. `make instruct-bind` sets it (docs/seeing.md, "Binding in the recipe").
 BIND_STAGE ?=
 BIND_STEPS ?= 3600
-BIND_SHARDS = test -f $(DEMO_DATA)/bind/train/manifest.json || $(BIN)/python scripts/make_shards.py --synthetic scenes_chat \
-	--option types=colour,shape,position --out $(DEMO_DATA)/bind --num-samples 40000 --seed 13 --max-count 250
+BIND_SHARDS = test -f $(DEMO_DATA)/bind/train/manifest.json || $(BIN)/python scripts/make_shards.py \
+	--synthetic scenes_chat --option types=colour,shape,position --out $(DEMO_DATA)/bind --num-samples 40000 \
+	--seed 13 --max-count 250
 BIND_CMD = $(DS) --config scripts/configs/stage_bind.yaml --out $(DEMO_RUN)/stage_bind \
-	--set model.init_from=$(DEMO_RUN)/stage1/hf --set 'data.shards=[$(DEMO_DATA)/bind/train,$(DEMO_DATA)/count_multi/train]' \
+	--set model.init_from=$(DEMO_RUN)/stage1/hf \
+	--set 'data.shards=[$(DEMO_DATA)/bind/train,$(DEMO_DATA)/count_multi/train]' \
 	--set 'data.eval_shards=[$(DEMO_DATA)/bind/eval]' --set train.max_steps=$(BIND_STEPS) --set train.seed=$(SEED)
 # cmoe_sceneqa's scenes (one question per type each): the demo's 60 (213 questions), 300 for `make instruct-bind`
 # (1,073 questions, of which lmms-eval's --limit scores the first 800: its binding rows need more than the demo's 42
@@ -229,8 +231,8 @@ instruct-long: venv
 # Binding among several objects: `make demo`'s stages (the same stage-0 tower, words-alone image tokens) with each
 # modality held at R = 2 by its own ratio objective (target_r_by_modality: the image tokens are no longer merged
 # into one or two concepts) and the concept norm starting at gain 0.1 (concept_norm_init), then a binding stage
-# (BIND_STAGE=1, stage_bind.yaml) before stage 2, scored on 1,073 scene questions (docs/seeing.md, "Binding in the
-# recipe").
+# (BIND_STAGE=1, stage_bind.yaml) before stage 2, scored on 800 of 1,073 scene questions (docs/seeing.md,
+# "Binding in the recipe").
 BIND_MODEL_SET := --set 'model.overrides.target_r_by_modality={0: 2.0, 1: 2.0}' \
 	--set model.overrides.concept_norm_init=0.1
 instruct-bind: venv
