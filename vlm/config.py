@@ -5,7 +5,15 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 from vision_tower.stem import STEMS
-from vlm.backbone.config import ConceptMoEConfig, Rule, check_rules, field_rule, init_fields, rename_legacy_fields
+from vlm.backbone.config import (
+    ConceptMoEConfig,
+    Rule,
+    check_rules,
+    field_rule,
+    init_fields,
+    int_at_least,
+    rename_legacy_fields,
+)
 from vlm.image_scan import IMAGE_CHUNKING
 
 # Fields renamed since the first release: configs saved under the old name still load (mapped, with a warning).
@@ -55,9 +63,7 @@ VLM_RULES: tuple[Rule, ...] = (
         "'conv' needs a naflexvit vision_model, no vision_pretrained and a patch_size divisible by 4",
     ),
     field_rule("vision_words", lambda v: isinstance(v, bool), "must be true or false"),
-    field_rule(
-        "vision_word_count", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "must be an int >= 0"
-    ),
+    field_rule("vision_word_count", int_at_least(0), "must be an int >= 0"),
     Rule(
         "vision_words",
         lambda c: not c.vision_words or bool(c.vision_weights) or c.vision_word_count > 0,

@@ -67,7 +67,8 @@ def rename_legacy_fields(fields: dict, owner: str, renamed: dict[str, str] = REN
 
 
 # ----------------------------------------------------------------------------- validation as a table of rules
-def _int_at_least(low: int):
+def int_at_least(low: int):
+    """A rule: an int (a bool is not one) >= low; vlm/config.py uses it too."""
     return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low
 
 
@@ -121,21 +122,21 @@ def _boundary_ids_ok(c) -> bool:
     ids = c.boundary_token_ids
     if ids is None:
         return True
-    return c.chunked and isinstance(ids, list) and all(_int_at_least(0)(i) and i < c.vocab_size for i in ids)
+    return c.chunked and isinstance(ids, list) and all(int_at_least(0)(i) and i < c.vocab_size for i in ids)
 
 
 RULES: tuple[Rule, ...] = (
     *(
-        field_rule(f, _int_at_least(1), "must be an integer >= 1")
+        field_rule(f, int_at_least(1), "must be an integer >= 1")
         for f in ("vocab_size", "d_model", "n_heads", "n_kv_heads", "num_experts", "expert_dim")
     ),
     *(
-        field_rule(f, _int_at_least(0), "must be an integer >= 0")
+        field_rule(f, int_at_least(0), "must be an integer >= 0")
         for f in ("encoder_layers", "concept_layers", "decoder_layers", "shared_experts")
     ),
     Rule(
         "shared_expert_dim",
-        lambda c: c.shared_expert_dim is None or (_int_at_least(1)(c.shared_expert_dim) and c.shared_experts >= 1),
+        lambda c: c.shared_expert_dim is None or (int_at_least(1)(c.shared_expert_dim) and c.shared_experts >= 1),
         "must be None or an int >= 1, with shared_experts >= 1 (it sets the shared SwiGLU's width)",
     ),
     Rule(
@@ -157,7 +158,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule("top_k", lambda c: 1 <= c.top_k <= c.num_experts, "must be in [1, num_experts={c.num_experts}]"),
     *(
-        field_rule(f, _int_at_least(1), "must be an int >= 1 (None: the token-level value)")
+        field_rule(f, int_at_least(1), "must be an int >= 1 (None: the token-level value)")
         for f in ("concept_d_model", "concept_num_experts", "concept_top_k", "concept_expert_dim")
     ),
     Rule(
@@ -170,10 +171,10 @@ RULES: tuple[Rule, ...] = (
         lambda c: c.concept_d_model == c.d_model or c.concept_d_model % c.n_heads == 0,
         "must be divisible by n_heads={c.n_heads}",
     ),
-    field_rule("concept_loop", _int_at_least(1), "must be an int >= 1"),
+    field_rule("concept_loop", int_at_least(1), "must be an int >= 1"),
     Rule(
         "concept_loop_layers",
-        lambda c: _int_at_least(0)(c.concept_loop_layers) and c.concept_loop_layers <= c.concept_layers,
+        lambda c: int_at_least(0)(c.concept_loop_layers) and c.concept_loop_layers <= c.concept_layers,
         "must be in [0, concept_layers={c.concept_layers}] (0 = loop all concept layers)",
     ),
     field_rule("target_r", lambda r: r >= 1.0, "must be >= 1 (R = N / M)"),
@@ -218,7 +219,7 @@ RULES: tuple[Rule, ...] = (
     field_rule("moe_z_loss_weight", lambda w: w >= 0.0, "must be >= 0"),
     Rule(
         "joint_layers",
-        lambda c: _int_at_least(0)(c.joint_layers) and c.joint_layers <= c.decoder_layers,
+        lambda c: int_at_least(0)(c.joint_layers) and c.joint_layers <= c.decoder_layers,
         "must be in [0, decoder_layers={c.decoder_layers}]",
     ),
 )
