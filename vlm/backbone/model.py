@@ -208,8 +208,18 @@ class ConceptMoEModel(ConceptMoEPreTrainedModel):
         ids = self.config.boundary_token_ids
         if not ids or input_ids is None or not self.config.chunked:
             return forced_BN
-        at_BN = torch.isin(input_ids, torch.tensor(ids, device=input_ids.device))
+        at_BN = self._boundary_id_table(tuple(ids), input_ids.device)[input_ids]
         return at_BN if forced_BN is None else forced_BN | at_BN
+
+    def _boundary_id_table(self, ids: tuple, device) -> torch.Tensor:
+        """[vocab] bool, True at ``ids``: built once per id set and device (a lookup per forward, no host copy)."""
+        cache = self.__dict__.setdefault("_boundary_tables", {})
+        key = (ids, str(device))
+        if key not in cache:
+            table_V = torch.zeros(self.config.vocab_size, dtype=torch.bool, device=device)
+            table_V[list(ids)] = True
+            cache[key] = table_V
+        return cache[key]
 
     @staticmethod
     def layout(h_BND, doc_ids, position_ids, attention_mask, forced_boundaries, boundary_neighbours=None) -> SeqLayout:
