@@ -6,7 +6,8 @@ questions written with the generator's options, stage 1b (``stage1.yaml``) and s
 from the HF export before them with the tower still as pretrained; ``stage2_long.yaml`` validates. ``make
 instruct-bind``'s path runs too: stage 1a with its model settings (``BIND_MODEL_SET``: each modality's own target R,
 the concept norm's starting gain), the binding stage (``stage_bind.yaml``) from stage 1b's export, stage 2 from the
-binding stage's. The shard lists the YAMLs name are the ones ``make demo`` makes and passes to each stage."""
+binding stage's, its shards with a brace pattern of some binding shards added (``BIND_KEEP``). The shard lists the
+YAMLs name are the ones ``make demo`` makes and passes to each stage."""
 
 import json
 import re
@@ -99,6 +100,7 @@ def test_stage1_then_stage2_train_and_export_at_toy_size(tmp_path):
         tmp_path / "stage2",
         shards,
         f"model.init_from={tmp_path / 'stage_bind' / 'hf'}",
+        f'data.shards=[{shards / "train"},"{shards / "train"}/train-{{000000..000000}}.tar"]',  # as BIND_KEEP adds
         "train.eval_every=2",
         "train.eval_batches=1",
     )
@@ -138,9 +140,14 @@ def test_make_demo_passes_each_stage_its_yaml_shards_and_makes_them():
     configs = {"scripts/configs/stage1_colour.yaml", "scripts/configs/stage1.yaml", "$(STAGE2)"}
     passed = {}  # each `$(DS)` command of the demo recipe: its --config -> the shard list it passes
     demo = makefile[makefile.index("\ndemo:") : makefile.index("\ninstruct-long:")]
+    keep = "$(if $(BIND_STAGE),$(BIND_KEEP))"  # BIND_STAGE=1: stage 2 keeps asking binding questions
     for command in demo.split("$(DS) ")[1:]:
         shards = re.search(r"--set 'data\.shards=\[([^\]]*)\]'", command).group(1)
-        passed[re.match(r"--config (\S+)", command).group(1)] = expand(shards).split(",")
+        config = re.match(r"--config (\S+)", command).group(1)
+        assert (keep in shards) == (config == "$(STAGE2)"), config
+        passed[config] = expand(shards.replace(keep, "")).split(",")
+    # a brace pattern of the binding shards that make demo makes (quoted: YAML reads a bare { as a mapping)
+    assert re.fullmatch(r',"data/demo/bind/train/train-\{0+\.\.0*[1-9]\d*\}\.tar"', expand(variables["BIND_KEEP"]))
     text_cmd = makefile[makefile.index("\nTEXT_CMD = ") : makefile.index("\nFROM_TEXT = ")]  # TEXT_STAGE=1's stage
     assert "$(if $(TEXT_STAGE),$(COPYING_SHARDS) && $(TEXT_CMD))" in makefile and "--config" in text_cmd
     passed["scripts/configs/stage0_text.yaml"] = re.search(r"data\.shards=\[([^\]]*)\]", text_cmd).group(1).split(",")
