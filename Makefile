@@ -236,12 +236,15 @@ instruct-long: venv
 # Binding among several objects: `make demo`'s stages (the same stage-0 tower, words-alone image tokens) with each
 # modality held at R = 2 by its own ratio objective (target_r_by_modality: the image tokens are no longer merged
 # into one or two concepts) and the concept norm starting at gain 0.1 (concept_norm_init), then a binding stage
-# (BIND_STAGE=1, stage_bind.yaml) before stage 2, whose mix keeps some of its shards (BIND_KEEP), scored on 800 of
-# 1,073 scene questions (docs/seeing.md, "Binding in the recipe"). 37 min on 2 cores from a fresh clone.
+# (BIND_STAGE=1, stage_bind.yaml) before stage 2, whose mix keeps some of its shards (BIND_KEEP) for twice the demo's
+# steps (BIND_STAGE2_SET), scored on 800 of 1,073 scene questions (docs/seeing.md, "Binding in the recipe"). About
+# 40 min on 2 cores from a fresh clone.
 BIND_MODEL_SET := --set 'model.overrides.target_r_by_modality={0: 2.0, 1: 2.0}' \
 	--set model.overrides.concept_norm_init=0.1
+BIND_STAGE2_SET := --set train.max_steps=600 --set train.save_every=300 --set train.eval_every=300
 instruct-bind: venv
-	$(MAKE) demo DEMO_RUN=runs/instruct-bind BIND_STAGE=1 SCENEQA_N=300 STAGE1_SET="$(BIND_MODEL_SET) $(STAGE1_SET)"
+	$(MAKE) demo DEMO_RUN=runs/instruct-bind BIND_STAGE=1 SCENEQA_N=300 STAGE1_SET="$(BIND_MODEL_SET) $(STAGE1_SET)" \
+		STAGE2_SET="$(BIND_STAGE2_SET) $(STAGE2_SET)"
 
 # Needles in text: the language model learns to copy (scripts/configs/stage0_text.yaml: "repeat the line that starts
 # with ...", tied input / output embeddings, 3,000 steps), then to find a needle and restate its sentence

@@ -121,10 +121,23 @@ def test_stage1_then_stage2_train_and_export_at_toy_size(tmp_path):
             assert torch.equal(exported[k if k.startswith("word_head.") else "model." + k], v), (name, k)
 
 
-def bind_model_set() -> str:
-    """``make instruct-bind``'s stage-1a settings, as the Makefile writes them (``BIND_MODEL_SET := ...``)."""
+def bind_model_set(name: str = "BIND_MODEL_SET") -> str:
+    """``make instruct-bind``'s stage-1a settings (or another of its ``NAME := ...`` lines), as the Makefile writes
+    them."""
     makefile = (ROOT / "Makefile").read_text()
-    return re.search(r"^BIND_MODEL_SET := (.*)$", makefile.replace("\\\n", " "), re.M).group(1)
+    return re.search(rf"^{name} := (.*)$", makefile.replace("\\\n", " "), re.M).group(1)
+
+
+def test_instruct_bind_passes_its_stage2_settings_that_stage2_yaml_knows():
+    items = shlex.split(bind_model_set("BIND_STAGE2_SET"))
+    assert items[0::2] == ["--set"] * (len(items) // 2)
+    sets = dict(item.split("=", 1) for item in items[1::2])
+    train = load_config(str(CONFIGS / "stage2.yaml"))["train"]
+    assert sets and all(k.startswith("train.") and k[len("train.") :] in train for k in sets), sets
+    steps, every = int(sets["train.max_steps"]), int(sets["train.save_every"])
+    assert steps > train["max_steps"] and steps % every == 0  # longer than make demo's stage 2, ends on a save
+    target = (ROOT / "Makefile").read_text().split("\ninstruct-bind:")[1].split("\n\n")[0]
+    assert 'STAGE2_SET="$(BIND_STAGE2_SET) $(STAGE2_SET)"' in target
 
 
 def test_make_demo_passes_each_stage_its_yaml_shards_and_makes_them():
