@@ -99,7 +99,7 @@ BIND_CMD = $(DS) --config scripts/configs/stage_bind.yaml --out $(DEMO_RUN)/stag
 	--set model.init_from=$(DEMO_RUN)/stage1/hf \
 	--set 'data.shards=[$(DEMO_DATA)/bind/train,$(DEMO_DATA)/count_multi/train]' \
 	--set 'data.eval_shards=[$(DEMO_DATA)/bind/eval]' --set train.max_steps=$(BIND_STEPS) --set train.seed=$(SEED)
-# ... and stage 2 keeps asking them: 24 of the binding shards (6,000 conversations, a quarter of its mix). Without
+# ... and stage 2 keeps asking them: 24 of the binding shards (6,000 conversations; 24 of its 84 shards). Without
 # them stage 2's 300 steps on the task mix lower shape of the named colour from 0.82 to 0.76 and position from 0.59 to
 # 0.48 (docs/seeing.md, "Binding in the recipe").
 BIND_KEEP = ,"$(DEMO_DATA)/bind/train/train-{000000..000023}.tar"
