@@ -237,8 +237,8 @@ instruct-long: venv
 # modality held at R = 2 by its own ratio objective (target_r_by_modality: the image tokens are no longer merged
 # into one or two concepts) and the concept norm starting at gain 0.1 (concept_norm_init), then a binding stage
 # (BIND_STAGE=1, stage_bind.yaml) before stage 2, whose mix keeps some of its shards (BIND_KEEP) for twice the demo's
-# steps (BIND_STAGE2_SET), scored on 800 of 1,073 scene questions (docs/seeing.md, "Binding in the recipe"). About
-# 40 min on 2 cores from a fresh clone.
+# steps (BIND_STAGE2_SET), scored on 800 of 1,073 scene questions (docs/seeing.md, "Binding in the recipe"). 39 min
+# on 2 cores from a fresh clone.
 BIND_MODEL_SET := --set 'model.overrides.target_r_by_modality={0: 2.0, 1: 2.0}' \
 	--set model.overrides.concept_norm_init=0.1
 BIND_STAGE2_SET := --set train.max_steps=600 --set train.save_every=300 --set train.eval_every=300
