@@ -89,7 +89,7 @@ def test_stage1_then_stage2_train_and_export_at_toy_size(tmp_path):
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    bind_sets = shlex.split(bind_model_set())[1::2]  # the items of its `--set ITEM` pairs
+    bind_sets = shlex.split(makefile_value("BIND_MODEL_SET"))[1::2]  # the items of its `--set ITEM` pairs
     assert bind_sets and all(item.startswith("model.overrides.") for item in bind_sets)
     tower_set = f"model.overrides.vision_weights={tower}"
     stage("stage1_colour.yaml", tmp_path / "stage1_colour", shards, tower_set, *bind_sets)
@@ -121,15 +121,15 @@ def test_stage1_then_stage2_train_and_export_at_toy_size(tmp_path):
             assert torch.equal(exported[k if k.startswith("word_head.") else "model." + k], v), (name, k)
 
 
-def bind_model_set(name: str = "BIND_MODEL_SET") -> str:
-    """``make instruct-bind``'s stage-1a settings (or another of its ``NAME := ...`` lines), as the Makefile writes
-    them."""
+def makefile_value(name: str) -> str:
+    """The value of the Makefile's ``NAME := ...`` line (continuations joined), e.g. ``make instruct-bind``'s stage-1a
+    settings ``BIND_MODEL_SET``."""
     makefile = (ROOT / "Makefile").read_text()
     return re.search(rf"^{name} := (.*)$", makefile.replace("\\\n", " "), re.M).group(1)
 
 
 def test_instruct_bind_passes_its_stage2_settings_that_stage2_yaml_knows():
-    items = shlex.split(bind_model_set("BIND_STAGE2_SET"))
+    items = shlex.split(makefile_value("BIND_STAGE2_SET"))
     assert items[0::2] == ["--set"] * (len(items) // 2)
     sets = dict(item.split("=", 1) for item in items[1::2])
     train = load_config(str(CONFIGS / "stage2.yaml"))["train"]
