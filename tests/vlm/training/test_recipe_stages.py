@@ -15,6 +15,7 @@ import shlex
 import subprocess
 import sys
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from train_kit import ROOT, env
@@ -45,16 +46,11 @@ def stage(config: str, out, shards, *sets: str) -> None:
     assert (out / "hf" / "config.json").is_file()
 
 
-def test_stage1_then_stage2_train_and_export_at_toy_size(tmp_path):
-    shards = tmp_path / "look"
-    make_synthetic(
-        ["scenes_chat"],
-        str(shards),
-        num_samples=24,
-        seed=0,
-        eval_samples=8,
-        generator_options={"max_objects": 1, "types": ["colour", "shape", "position"]},
-    )
+@pytest.fixture(scope="module")
+def toy_tower(tmp_path_factory):
+    """Stage 0 at toy size, as ``make demo`` runs it: the tower ``stage1_colour.yaml`` names, with its word head
+    (region labels), pretrained for 2 steps on one-object scenes."""
+    tmp_path = tmp_path_factory.mktemp("tower")
     make_synthetic(
         ["scenes"],
         str(tmp_path / "vision"),
@@ -89,6 +85,20 @@ def test_stage1_then_stage2_train_and_export_at_toy_size(tmp_path):
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return tower
+
+
+def test_stage1_then_stage2_train_and_export_at_toy_size(tmp_path, toy_tower):
+    shards = tmp_path / "look"
+    make_synthetic(
+        ["scenes_chat"],
+        str(shards),
+        num_samples=24,
+        seed=0,
+        eval_samples=8,
+        generator_options={"max_objects": 1, "types": ["colour", "shape", "position"]},
+    )
+    tower = toy_tower
     bind_sets = shlex.split(makefile_value("BIND_MODEL_SET"))[1::2]  # the items of its `--set ITEM` pairs
     assert bind_sets and all(item.startswith("model.overrides.") for item in bind_sets)
     tower_set = f"model.overrides.vision_weights={tower}"
@@ -138,6 +148,55 @@ def test_instruct_bind_passes_its_stage2_settings_that_stage2_yaml_knows():
     assert steps > train["max_steps"] and steps % every == 0  # longer than make demo's stage 2, ends on a save
     target = (ROOT / "Makefile").read_text().split("\ninstruct-bind:")[1].split("\n\n")[0]
     assert 'STAGE2_SET="$(BIND_STAGE2_SET) $(STAGE2_SET)"' in target
+
+
+def expanded(name: str) -> str:
+    """:func:`makefile_value` with its ``$(NAME)`` references to other ``NAME := ...`` lines expanded, as make does."""
+    return re.sub(r"\$\((\w+)\)", lambda m: expanded(m.group(1)), makefile_value(name))
+
+
+def test_instruct_copy_bind_text_stage_builds_the_binding_model_that_stage1a_starts_from(tmp_path, toy_tower):
+    """``make instruct-copy-bind``'s path at toy size: the text stage (``stage0_text.yaml``) builds the model with the
+    words-alone tokens and instruct-bind's model settings (``COPY_BIND_TEXT_SET``) on copy requests, stage 1a starts
+    from its export (``FROM_TEXT``) and keeps all of it: tied embeddings, each modality's target R, the concept norm's
+    gain, image tokens that are the tower's words alone; the Makefile keeps copy requests in the later mixes."""
+    copying, look = tmp_path / "copying", tmp_path / "look"
+    make_synthetic(["copying_chat"], str(copying), num_samples=24, seed=0, eval_samples=8)
+    options = {"max_objects": 1, "types": ["colour"]}
+    make_synthetic(["scenes_chat"], str(look), num_samples=16, seed=0, eval_samples=4, generator_options=options)
+    text_sets = shlex.split(expanded("COPY_BIND_TEXT_SET"))
+    assert text_sets[0::2] == ["--set"] * (len(text_sets) // 2)
+    stage(
+        "stage0_text.yaml",
+        tmp_path / "stage0_text",
+        copying,
+        f"model.overrides.vision_weights={toy_tower}",
+        *text_sets[1::2],
+    )
+    makefile = (ROOT / "Makefile").read_text().replace("\\\n", " ")
+    from_text = shlex.split(
+        re.search(r"^FROM_TEXT = (.*)$", makefile, re.M).group(1).replace("$(DEMO_RUN)", str(tmp_path))
+    )
+    stage("stage1_colour.yaml", tmp_path / "stage1_colour", look, *from_text[1::2])
+    for name in ("stage0_text", "stage1_colour"):
+        model = ConceptMoEVLM.from_pretrained(str(tmp_path / name / "hf"))
+        text = model.config.text_config
+        assert text.tie_word_embeddings and text.initializer_range == 0.02, name  # the copy's init
+        assert text.target_r_by_modality == {"0": 2.0, "1": 2.0} and text.concept_norm_init == 0.1, name
+        assert model.config.vision_words and model.projector is None, name
+        lm = model.language_model
+        assert lm.get_output_embeddings().weight is lm.get_input_embeddings().weight, name
+    # later mixes keep some copy requests: a quoted brace pattern of the copying shards (binding stage and stage 2)
+    keep = re.search(r"^COPY_KEEP = (.*)$", makefile, re.M).group(1)
+    assert re.fullmatch(r',"\$\(DEMO_DATA\)/copying/train/train-\{0+\.\.0*[1-9]\d*\}\.tar"', keep)
+    target = makefile.split("\ninstruct-copy-bind:")[1].split("\n\n")[0]
+    assert "TEXT_STAGE=1" in target and "BIND_STAGE=1" in target and "BIND_EXTRA='$(COPY_KEEP)'" in target
+    assert "/needles_long/train$(COPY_KEEP)" in target and '"$(COPY_BIND_STAGE2_SET) $(STAGE2_SET)"' in target
+    stage2 = shlex.split(expanded("COPY_BIND_STAGE2_SET"))[1::2]
+    data = load_config(str(CONFIGS / "stage2.yaml"))["data"]
+    sets = dict(item.split("=", 1) for item in stage2)
+    assert all(k.split(".")[0] in ("train", "data") for k in sets) and {"seq_len", "batch_size"} <= set(data)
+    assert int(sets["data.seq_len"]) >= 1280  # the short needle haystacks (~1,100 tokens) fit a row
 
 
 def test_make_demo_passes_each_stage_its_yaml_shards_and_makes_them():
