@@ -253,7 +253,7 @@ instruct-bind: venv
 # 5 of its 50 shards of copy requests kept in the binding stage's and stage 2's mixes (COPY_KEEP: without them the
 # copy is gone after stage 1a's 40 steps, held-out copy loss 1.2 -> 9.7), and stage 2's rows long enough for the
 # needle haystacks (1,280 tokens) with 1,000 text-needle haystacks in its mix (docs/seeing.md, "Copying and binding
-# in one recipe").
+# in one recipe": seed 0 finds 0.818 of the text needles, seed 1 0.055). 60 min on 2 cores from a fresh clone.
 COPY_KEEP = ,"$(DEMO_DATA)/copying/train/train-{000000..000004}.tar"
 COPY_BIND_TEXT_SET := $(WORDS_SET) $(BIND_MODEL_SET)
 COPY_BIND_STAGE2_SET := $(BIND_STAGE2_SET) --set data.seq_len=1280 --set data.batch_size=2
