@@ -45,8 +45,8 @@ class HeldOut:
 def held_out_loss(
     pretrained: str | Path,
     shards: list[str],
-    seq_len: int = 512,
-    batch_size: int = 4,
+    seq_len: int,
+    batch_size: int,
     batches: int = 8,
     max_patches: int | None = None,
     seed: int = 0,

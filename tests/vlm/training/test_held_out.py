@@ -72,9 +72,9 @@ def test_loss_is_the_loss_on_the_loaders_rows_and_repeats(setup):
 def test_bad_input_is_one_clear_error(setup, tmp_path):
     root, _, _ = setup
     with pytest.raises(ValueError, match="no saved model"):
-        held_out_loss(tmp_path, [str(root / "shards" / "eval")])
+        held_out_loss(tmp_path, [str(root / "shards" / "eval")], 256, 2)
     with pytest.raises(FileNotFoundError):
-        held_out_loss(root / "a", [str(tmp_path / "missing")])
+        held_out_loss(root / "a", [str(tmp_path / "missing")], 256, 2)
 
 
 def test_script_prints_and_writes_rows_and_exits_2_on_bad_input(setup, tmp_path):
