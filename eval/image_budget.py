@@ -27,6 +27,7 @@ from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
 
+from eval.tasks.common import image_paths
 from vision_tower.image_processor import ImageProcessor
 
 
@@ -47,15 +48,6 @@ class BudgetRow:
     text_px_min: float | None = None
 
 
-def doc_images(doc: dict) -> list[str]:
-    """Relative paths of a doc's images, in order: ``image`` (scenes), ``pages`` (documents), image ``segments``
-    (needle haystacks)."""
-    paths = [doc["image"]] if doc.get("image") else []
-    paths += list(doc.get("pages") or [])
-    paths += [seg["image"] for seg in doc.get("segments") or [] if seg.get("image")]
-    return paths
-
-
 def _image_size(path: Path) -> tuple[int, int]:
     try:
         with Image.open(path) as img:  # reads the header only
@@ -74,7 +66,7 @@ def budget_rows(
     if not jsonl.is_file():
         raise ValueError(f"image_budget: {jsonl} not found (build the task's data: python scripts/make_eval_data.py)")
     docs = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
-    sizes = [[_image_size(data / p) for p in doc_images(doc)] for doc in docs]
+    sizes = [[_image_size(data / p) for p in image_paths(doc)] for doc in docs]
     rows = []
     for budget in budgets:
         proc = ImageProcessor(patch_size=patch_size, max_patches=budget, pixel_shuffle=pixel_shuffle)

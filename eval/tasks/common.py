@@ -36,13 +36,14 @@ MAX_LISTED = 5
 # Loading
 
 
-def _image_paths(doc: dict) -> list[str]:
-    """Every image path a doc refers to (relative as stored)."""
+def image_paths(doc: dict) -> list[str]:
+    """Every image path a doc refers to (relative as stored), in order: ``pages`` (documents), image ``segments``
+    (needle haystacks), else ``image`` (scenes; none when the doc has no image)."""
     if "pages" in doc:
         return list(doc["pages"])
     if "segments" in doc:
         return [seg["image"] for seg in doc["segments"] if seg.get("image")]
-    return [doc["image"]]
+    return [doc["image"]] if doc.get("image") else []
 
 
 def _resolve(doc: dict, data_dir: Path) -> dict:
@@ -74,7 +75,7 @@ def parse_lines(lines, data_dir: Path, task: str) -> tuple[list[dict], dict]:
             skipped["missing_field"] += 1
             logger.warning("%s: line %d skipped, missing field(s) %s", task, lineno, missing)
             continue
-        absent = [p for p in _image_paths(doc) if not (data_dir / p).is_file()]
+        absent = [p for p in image_paths(doc) if not (data_dir / p).is_file()]
         if absent:
             skipped["missing_image"] += 1
             logger.warning("%s: line %d (%s) skipped, image file missing: %s", task, lineno, doc["id"], absent[0])

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from eval.image_budget import budget_rows, doc_images, markdown
+from eval.image_budget import budget_rows, markdown
+from eval.tasks.common import image_paths
 from vision_tower.image_processor import ImageProcessor
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,11 +33,11 @@ DOCS = [
 SIZES = {"scene.png": (300, 220), "p0.png": (512, 724), "p1.png": (512, 724), "card.png": (384, 60)}
 
 
-def test_doc_images_reads_every_layout():
-    assert doc_images(DOCS[0]) == ["images/scene.png"]
-    assert doc_images(DOCS[1]) == ["images/p0.png", "images/p1.png"]
-    assert doc_images(DOCS[2]) == ["images/card.png"]
-    assert doc_images({"question": "no image"}) == []
+def test_image_paths_reads_every_layout():
+    assert image_paths(DOCS[0]) == ["images/scene.png"]
+    assert image_paths(DOCS[1]) == ["images/p0.png", "images/p1.png"]
+    assert image_paths(DOCS[2]) == ["images/card.png"]
+    assert image_paths({"question": "no image"}) == []
 
 
 def test_tokens_scales_and_print_height_match_the_processor(tmp_path):
